@@ -1,0 +1,105 @@
+"""YAML config files -> option dataclasses, 1:1, with `key.sub=value` overrides.
+
+Unknown keys are rejected by name. String values expand environment variables
+(`$VAR`, `${VAR}`), so one file serves every host: e.g.
+`directory: /dev/shm/ckpt-${HOSTNAME}`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import yaml
+
+from emergency_ckpt.errors import ConfigError
+from emergency_ckpt.options import (
+  CheckpointManagerOptions,
+  LocalTierOptions,
+  PersistentTierOptions,
+)
+
+_NESTED = {"local": LocalTierOptions, "persistent": PersistentTierOptions}
+
+
+def _build(cls, data: Mapping[str, Any], where: str):
+  if not isinstance(data, Mapping):
+    raise ConfigError(f"{where} must be a mapping, got {type(data).__name__}.")
+  fields = {f.name: f for f in dataclasses.fields(cls)}
+  unknown = sorted(set(data) - set(fields))
+  if unknown:
+    raise ConfigError(
+      f"unknown key(s) {', '.join(where + '.' + k if where else k for k in unknown)};"
+      f" valid keys{' of ' + where if where else ''}: {', '.join(sorted(fields))}."
+    )
+  kwargs = {}
+  for key, value in data.items():
+    path = f"{where}.{key}" if where else key
+    if cls is CheckpointManagerOptions and key in _NESTED:
+      kwargs[key] = _build(_NESTED[key], value or {}, path)
+    else:
+      kwargs[key] = os.path.expandvars(value) if isinstance(value, str) else value
+  missing = [
+    name
+    for name, f in fields.items()
+    if name not in kwargs
+    and f.default is dataclasses.MISSING
+    and f.default_factory is dataclasses.MISSING
+  ]
+  if missing:
+    raise ConfigError(
+      f"missing required key(s): {', '.join((where + '.' if where else '') + m for m in missing)}."
+    )
+  return cls(**kwargs)
+
+
+def apply_overrides(data: dict, overrides: Iterable[str]) -> dict:
+  """Applies `a.b=value` strings (value parsed as YAML) to a nested dict."""
+  data = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in data.items()}
+  for item in overrides:
+    if "=" not in item:
+      raise ConfigError(f"override {item!r} must look like key.sub=value.")
+    key, raw = item.split("=", 1)
+    parts = key.strip().split(".")
+    node = data
+    for part in parts[:-1]:
+      node = node.setdefault(part, {})
+      if not isinstance(node, dict):
+        raise ConfigError(f"override {item!r}: {part} is not a section.")
+    node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+  return data
+
+
+def options_from_dict(
+  data: Mapping[str, Any], overrides: Iterable[str] = ()
+) -> CheckpointManagerOptions:
+  return _build(CheckpointManagerOptions, apply_overrides(dict(data), overrides), "")
+
+
+def load_config(path: str | os.PathLike, overrides: Iterable[str] = ()) -> CheckpointManagerOptions:
+  """Reads a YAML file into CheckpointManagerOptions (same object as in code)."""
+  try:
+    with open(path) as f:
+      data = yaml.safe_load(f) or {}
+  except OSError as e:
+    raise ConfigError(f"cannot read config {path}: {e}") from None
+  except yaml.YAMLError as e:
+    raise ConfigError(f"config {path} is not valid YAML: {e}") from None
+  return options_from_dict(data, overrides)
+
+
+def field_docs(cls) -> dict[str, str]:
+  """Field docstrings (the string literal after each field) for docs and --help."""
+  import ast  # noqa: PLC0415
+  import inspect  # noqa: PLC0415
+
+  tree = ast.parse(inspect.getsource(cls))
+  body = tree.body[0].body
+  docs = {}
+  for node, nxt in zip(body, body[1:]):
+    if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+      if isinstance(nxt, ast.Expr) and isinstance(getattr(nxt, "value", None), ast.Constant):
+        docs[node.target.id] = " ".join(str(nxt.value.value).split())
+  return docs

@@ -1,0 +1,397 @@
+"""Local tier: each process writes the shards it holds to its own ramdisk folder.
+
+Layout (per process; nobody else reads it):
+  <directory>/<run_id>/process_<i>/step_<N>/shards.bin     raw shard bytes
+  <directory>/<run_id>/process_<i>/step_<N>/manifest.json  tree, shards, crc32s
+  <directory>/<run_id>/process_<i>/.tmp-step_<N>-<uuid>/   a save in progress
+
+A step exists only once its folder is renamed from .tmp-*, after both files are
+written, so a crash never leaves a listed partial step. Every shard carries a
+CRC32 checked on read; the manifest carries one over its own body.
+
+Why not Orbax here: Orbax's local handlers (zarr3 + zstd through tensorstore,
+with barriers across processes) measured 6.2x a raw ramdisk write on this
+hardware; a ramdisk copy is only useful if it is nearly free. The persistent
+tier stays in Orbax's standard format.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import logging
+import os
+import re
+import shutil
+import stat
+import threading
+import time
+import uuid
+import zlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from emergency_ckpt import failpoints
+from emergency_ckpt import shards as shards_lib
+from emergency_ckpt.errors import (
+  CorruptCheckpointError,
+  StateMismatchError,
+  TopologyMismatchError,
+  UnsafeDirectoryError,
+)
+from emergency_ckpt.options import LocalTierOptions
+from emergency_ckpt.topology import Topology
+
+logger = logging.getLogger("emergency_ckpt")
+
+FORMAT = "emergency_ckpt.local/1"
+_STEP_RE = re.compile(r"^step_(\d+)$")
+_CHUNK = 64 << 20
+
+
+def secure_makedirs(path: str) -> None:
+  """Creates `path` (and parents) 0700, refusing symlinks and foreign owners."""
+  parts = os.path.abspath(path)
+  os.makedirs(parts, mode=0o700, exist_ok=True)
+  st = os.lstat(parts)
+  if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+    raise UnsafeDirectoryError(
+      f"{parts} is a symlink or not a directory; the local tier refuses to"
+      " write through it. Remove it, or point local.directory elsewhere."
+    )
+  if st.st_uid != os.geteuid():
+    raise UnsafeDirectoryError(
+      f"{parts} is owned by uid {st.st_uid}, not by this process (uid"
+      f" {os.geteuid()}); another user could read or plant checkpoints there."
+      " Remove it or choose another local.directory."
+    )
+  if st.st_mode & 0o077:
+    raise UnsafeDirectoryError(
+      f"{parts} has mode {oct(st.st_mode & 0o777)}; the local tier needs 0700"
+      f" so no other user can read or plant shards. Run: chmod 700 {parts}"
+    )
+
+
+def _canonical(body: dict) -> bytes:
+  return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+def encode_manifest(body: dict) -> bytes:
+  return json.dumps({"body": body, "crc32": zlib.crc32(_canonical(body))}).encode()
+
+
+def decode_manifest(raw: bytes, where: str) -> dict:
+  try:
+    doc = json.loads(raw)
+    body = doc["body"]
+    ok = zlib.crc32(_canonical(body)) == doc["crc32"]
+  except (ValueError, KeyError, TypeError) as e:
+    raise CorruptCheckpointError(f"{where}: unreadable manifest ({e})") from None
+  if not ok:
+    raise CorruptCheckpointError(f"{where}: manifest checksum mismatch")
+  if body.get("format") != FORMAT:
+    raise CorruptCheckpointError(f"{where}: unknown format {body.get('format')!r}")
+  return body
+
+
+@dataclasses.dataclass
+class Staged:
+  """A step copied to host memory, waiting to be written."""
+
+  step: int
+  layout: shards_lib.Layout
+  buffer: np.ndarray
+  stall_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class WriteResult:
+  step: int
+  ok: bool
+  nbytes: int
+  durable_s: float
+  error: str | None = None
+
+
+class _BufferPool:
+  """At most `count` host buffers; acquire blocks while all are in use."""
+
+  def __init__(self, count: int):
+    self._sem = threading.Semaphore(count)
+    self._lock = threading.Lock()
+    self._free: list[np.ndarray] = []
+
+  def acquire(self, nbytes: int) -> np.ndarray:
+    self._sem.acquire()
+    with self._lock:
+      for i, buf in enumerate(self._free):
+        if buf.nbytes == nbytes:
+          return self._free.pop(i)
+      self._free.clear()  # the layout changed: drop old sizes
+    return np.zeros(nbytes, dtype=np.uint8)
+
+  def release(self, buf: np.ndarray) -> None:
+    with self._lock:
+      self._free.append(buf)
+    self._sem.release()
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalStep:
+  """A verified local step: views into one host buffer, per leaf and index."""
+
+  step: int
+  manifest: dict
+  arrays: list[dict[shards_lib.Index, np.ndarray]]
+
+
+class LocalTier:
+  """One process's ramdisk folder. All methods are per process: no collectives."""
+
+  def __init__(self, options: LocalTierOptions, *, run_id: str, topology: Topology):
+    self._options = options
+    self._topology = topology
+    self._run_id = run_id
+    self.directory = os.path.join(
+      os.path.abspath(options.directory), run_id, f"process_{topology.process_index}"
+    )
+    for p in (os.path.abspath(options.directory), os.path.dirname(self.directory), self.directory):
+      secure_makedirs(p)
+    self._pool = _BufferPool(options.staging_buffers)
+    self._executor = concurrent.futures.ThreadPoolExecutor(
+      max_workers=1, thread_name_prefix="ec-local-write"
+    )
+    self._cleanup_tmp()
+
+  # ---- listing -------------------------------------------------------------
+  def step_dir(self, step: int) -> str:
+    return os.path.join(self.directory, f"step_{step}")
+
+  def steps(self) -> list[int]:
+    """Committed steps (folders renamed into place with a manifest)."""
+    out = []
+    try:
+      names = os.listdir(self.directory)
+    except FileNotFoundError:  # the ramdisk was wiped under us
+      return []
+    for name in names:
+      m = _STEP_RE.match(name)
+      if m and os.path.isfile(os.path.join(self.directory, name, "manifest.json")):
+        out.append(int(m.group(1)))
+    return sorted(out)
+
+  def manifest(self, step: int) -> dict:
+    path = os.path.join(self.step_dir(step), "manifest.json")
+    with open(path, "rb") as f:
+      return decode_manifest(f.read(), path)
+
+  def usable_steps(self) -> tuple[list[int], dict[int, str]]:
+    """(steps whose manifest is valid and matches this job, {step: why not})."""
+    good, bad = [], {}
+    fingerprint = self._topology.fingerprint()
+    for step in self.steps():
+      try:
+        body = self.manifest(step)
+      except (OSError, CorruptCheckpointError) as e:
+        bad[step] = str(e)
+        continue
+      if body["topology"] != fingerprint or body["run_id"] != self._run_id:
+        bad[step] = f"saved with topology {body['topology']}, this job has {fingerprint}"
+        continue
+      good.append(step)
+    return good, bad
+
+  def _cleanup_tmp(self) -> None:
+    for name in os.listdir(self.directory):
+      if name.startswith(".tmp-"):
+        shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+
+  # ---- save ----------------------------------------------------------------
+  def stage(self, step: int, paths: Sequence[str], arrays: Sequence[Any]) -> Staged:
+    """Copies this process's shards to a host buffer. Blocks on that copy only
+    (and on a free buffer, if `staging_buffers` writes are still running)."""
+    t0 = time.perf_counter()
+    layout = shards_lib.layout_for(paths, arrays)
+    buffer = self._pool.acquire(layout.nbytes)
+    try:
+      shards_lib.stage(arrays, layout, buffer)
+    except BaseException:
+      self._pool.release(buffer)
+      raise
+    return Staged(step, layout, buffer, time.perf_counter() - t0)
+
+  def write_async(
+    self, staged: Staged, on_done: Callable[[WriteResult], None] | None = None
+  ) -> concurrent.futures.Future:
+    """Writes a staged step in the background; the future gives a WriteResult."""
+
+    def run() -> WriteResult:
+      t0 = time.perf_counter()
+      try:
+        self._write(staged)
+        result = WriteResult(staged.step, True, staged.layout.nbytes, time.perf_counter() - t0)
+      except OSError as e:
+        logger.warning(
+          "%s local save of step %d failed and was discarded: %s",
+          self._topology.log_prefix(),
+          staged.step,
+          e,
+        )
+        result = WriteResult(staged.step, False, 0, time.perf_counter() - t0, str(e))
+      finally:
+        self._pool.release(staged.buffer)
+      if on_done is not None:
+        on_done(result)
+      return result
+
+    return self._executor.submit(run)
+
+  def _write(self, staged: Staged) -> None:
+    final = self.step_dir(staged.step)
+    tmp = os.path.join(self.directory, f".tmp-step_{staged.step}-{uuid.uuid4().hex[:8]}")
+    failpoints.hit("local.before_write", staged.step)
+    os.mkdir(tmp, 0o700)
+    try:
+      buf = staged.buffer
+      leaves = []
+      for leaf in staged.layout.leaves:
+        leaves.append(
+          {
+            "path": leaf.path,
+            "shape": list(leaf.shape),
+            "dtype": shards_lib.dtype_name(leaf.dtype),
+            "shards": [
+              {
+                "index": [list(r) for r in slot.index],
+                "offset": slot.offset,
+                "nbytes": slot.nbytes,
+                "crc32": zlib.crc32(buf[slot.offset : slot.offset + slot.nbytes]),
+              }
+              for slot in leaf.slots
+            ],
+          }
+        )
+      fd = os.open(os.path.join(tmp, "shards.bin"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+      try:
+        view = memoryview(buf)
+        pos = 0
+        chunk = _CHUNK
+        if failpoints.armed("local.mid_write", staged.step):
+          chunk = max(1, buf.nbytes // 2)
+        while pos < buf.nbytes:
+          pos += os.write(fd, view[pos : pos + chunk])
+          failpoints.hit("local.mid_write", staged.step)
+        os.fsync(fd)
+      finally:
+        os.close(fd)
+      body = {
+        "format": FORMAT,
+        "step": staged.step,
+        "run_id": self._run_id,
+        "process_index": self._topology.process_index,
+        "slice_index": self._topology.slice_index,
+        "topology": self._topology.fingerprint(),
+        "nbytes": staged.layout.nbytes,
+        "saved_at": time.time(),
+        "leaves": leaves,
+      }
+      with open(os.path.join(tmp, "manifest.json"), "wb") as f:
+        f.write(encode_manifest(body))
+        f.flush()
+        os.fsync(f.fileno())
+      failpoints.hit("local.before_rename", staged.step)
+      if os.path.exists(final):  # a leftover of an earlier incarnation
+        shutil.rmtree(final)
+      os.rename(tmp, final)
+      failpoints.hit("local.after_rename", staged.step)
+    except BaseException:
+      shutil.rmtree(tmp, ignore_errors=True)
+      raise
+
+  def wait(self) -> None:
+    """Blocks until every queued write finished."""
+    self._executor.submit(lambda: None).result()
+
+  # ---- read ----------------------------------------------------------------
+  def read(self, step: int, paths: Sequence[str], abstract: Sequence[Any]) -> LocalStep:
+    """Reads and verifies this process's shards of `step` for `abstract`.
+
+    Raises CorruptCheckpointError (bad bytes), TopologyMismatchError (needed
+    shards absent) or StateMismatchError (tree/shape/dtype differ).
+    """
+    where = self.step_dir(step)
+    body = self.manifest(step)
+    saved = {leaf["path"]: leaf for leaf in body["leaves"]}
+    check_tree_matches(list(saved), paths, where)
+    layout = shards_lib.layout_for(paths, abstract)
+    buf = np.empty(body["nbytes"], dtype=np.uint8)
+    with open(os.path.join(where, "shards.bin"), "rb", buffering=0) as f:
+      got = f.readinto(memoryview(buf))
+      if got != body["nbytes"] or f.read(1):
+        raise CorruptCheckpointError(
+          f"{where}/shards.bin has the wrong size (read {got} bytes,"
+          f" manifest says {body['nbytes']})"
+        )
+    out = []
+    for leaf in layout.leaves:
+      rec = saved[leaf.path]
+      if (
+        tuple(rec["shape"]) != leaf.shape or shards_lib.dtype_from_name(rec["dtype"]) != leaf.dtype
+      ):
+        raise StateMismatchError(
+          f"leaf {leaf.path}: saved as {rec['dtype']}{rec['shape']}, abstract_state"
+          f" asks for {leaf.dtype}{list(leaf.shape)}. Pass the abstract_state"
+          " of the train state that was saved."
+        )
+      by_index = {tuple(tuple(r) for r in s["index"]): s for s in rec["shards"]}
+      arrays = {}
+      for slot in leaf.slots:
+        s = by_index.get(slot.index)
+        if s is None:
+          raise TopologyMismatchError(
+            f"{where}: leaf {leaf.path} has no shard {slot.index}; it was"
+            " saved with another sharding. Restore it from the persistent tier."
+          )
+        data = buf[s["offset"] : s["offset"] + s["nbytes"]]
+        if zlib.crc32(data) != s["crc32"]:
+          raise CorruptCheckpointError(
+            f"{where}/shards.bin: leaf {leaf.path} shard {slot.index} fails its checksum"
+          )
+        arrays[slot.index] = data.view(leaf.dtype).reshape(shards_lib.shard_shape(slot.index))
+      out.append(arrays)
+    return LocalStep(step, body, out)
+
+  # ---- delete --------------------------------------------------------------
+  def delete(self, step: int) -> None:
+    path = self.step_dir(step)
+    if os.path.isdir(path):
+      # Rename first, so a crash mid-delete never leaves a listed, partial step.
+      doomed = os.path.join(self.directory, f".tmp-delete-{step}-{uuid.uuid4().hex[:8]}")
+      os.rename(path, doomed)
+      shutil.rmtree(doomed, ignore_errors=True)
+
+  def apply_retention(self, keep: set[int]) -> list[int]:
+    """Deletes committed steps not in `keep`; returns the deleted steps."""
+    doomed = [s for s in self.steps() if s not in keep]
+    for s in doomed:
+      self.delete(s)
+    return doomed
+
+  def close(self) -> None:
+    self._executor.shutdown(wait=True)
+
+
+def check_tree_matches(saved_paths: Sequence[str], paths: Sequence[str], where: str) -> None:
+  """Raises StateMismatchError naming leaves missing on either side."""
+  if list(saved_paths) == list(paths):
+    return
+  missing = sorted(set(saved_paths) - set(paths))
+  extra = sorted(set(paths) - set(saved_paths))
+  raise StateMismatchError(
+    f"{where}: abstract_state does not match the saved tree."
+    f" Saved but not asked for: {missing[:5]}; asked for but not saved:"
+    f" {extra[:5]}. Pass the abstract_state of the train state that was saved."
+  )

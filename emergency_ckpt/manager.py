@@ -1,0 +1,373 @@
+"""The multi-tier emergency checkpoint manager: orchestration only.
+
+I/O lives in local_tier, persistent_tier and state_store; decisions in
+policies and restore_plan; collectives in topology; cross-slice moves in peer.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import logging
+import threading
+from typing import Any
+
+import jax
+from etils import epath
+
+from emergency_ckpt import peer, policies, restore_plan
+from emergency_ckpt import shards as shards_lib
+from emergency_ckpt.errors import (
+  CorruptCheckpointError,
+  EmergencyCheckpointError,
+  NoRestorableCheckpointError,
+  StateMismatchError,
+  StepAlreadyExistsError,
+  StepError,
+  StepNotRestorableError,
+  TopologyMismatchError,
+)
+from emergency_ckpt.local_tier import LocalTier, WriteResult
+from emergency_ckpt.options import CheckpointManagerOptions
+from emergency_ckpt.persistent_tier import PersistentTier
+from emergency_ckpt.state_store import StateStore, atomic_write, validate_data_state
+from emergency_ckpt.topology import Collectives, init_orbax_multihost, topology_from_mesh
+
+logger = logging.getLogger("emergency_ckpt")
+
+
+@dataclasses.dataclass(frozen=True)
+class RestoreResult:
+  """What restore() gives this process."""
+
+  step: int
+  state: Any
+  data_state: dict | None
+  """This process's own data_state of `step`."""
+  source: str
+  """Where this process's slice got the tensors: local, peer or persistent."""
+
+
+class CheckpointManager:
+  """Saves to a ramdisk on every slice, to persistent storage from the primary
+  slice, and restores the newest step every process can load.
+
+  Create one on every process (a collective: it exchanges process ids). Use as
+  a context manager, or call close().
+  """
+
+  def __init__(self, options: CheckpointManagerOptions, *, mesh: jax.sharding.Mesh):
+    self._options = options
+    self._mesh = mesh
+    self._topology = topo = topology_from_mesh(mesh, options.replica_axis)
+    self._run_id = options.effective_run_id
+    init_orbax_multihost()
+    self._collectives = Collectives(
+      topo, namespace=self._run_id, timeout_s=options.collective_timeout_s
+    )
+    self._local = LocalTier(options.local, run_id=self._run_id, topology=topo)
+    root = epath.Path(options.persistent.directory)
+    self._state = StateStore(
+      root / "state", process_index=topo.process_index, process_count=topo.process_count
+    )
+    self._persistent = PersistentTier(
+      options.persistent, topology=topo, mesh=mesh, barrier_prefix=f"ec_{self._run_id}"
+    )
+    self._state_writer = concurrent.futures.ThreadPoolExecutor(1, "ec-state-write")
+    self._committer = concurrent.futures.ThreadPoolExecutor(1, "ec-state-commit")
+    self._lock = threading.Lock()
+    self._pending: list[concurrent.futures.Future] = []
+    self._errors: list[BaseException] = []
+    self._last_step: int | None = None
+    self._closed = False
+    if topo.is_primary_process:
+      root.mkdir(parents=True, exist_ok=True)
+      atomic_write(
+        root / "run.json",
+        json.dumps(
+          {
+            "run_id": self._run_id,
+            "topology": topo.fingerprint(),
+            "local_save_interval_steps": options.local.save_interval_steps,
+            "persistent_save_interval_steps": options.persistent.save_interval_steps,
+          },
+          indent=1,
+        ).encode(),
+      )
+    logger.info(
+      "%s emergency_ckpt manager ready: run_id=%s, local=%s, persistent=%s",
+      topo.log_prefix(),
+      self._run_id,
+      self._local.directory,
+      root,
+    )
+
+  # ---- properties ----------------------------------------------------------
+  @property
+  def topology(self):
+    return self._topology
+
+  @property
+  def local_directory(self) -> str:
+    """This process's own ramdisk folder (run id and process included)."""
+    return self._local.directory
+
+  # ---- save ----------------------------------------------------------------
+  def save(
+    self, step: int, state: Any, data_state: dict | None = None, *, force: bool = False
+  ) -> bool:
+    """Saves `step` to the tiers whose interval it hits (both if `force`).
+
+    Called by: every process, with the same steps. Blocks only on the host
+    copy of this process's shards (plus, on the primary slice at persistent
+    steps, Orbax's own host copy); writes finish in the background. No
+    collective. Returns True if any tier saved.
+    """
+    self._check_open()
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+      raise StepError(f"step must be an integer >= 0, got {step!r}.")
+    if self._last_step is not None and step <= self._last_step:
+      kind = StepAlreadyExistsError if step == self._last_step else StepError
+      raise kind(
+        f"save(step={step}) after step {self._last_step}: steps must increase."
+        " Save each step once, after restore() continue from r.step + 1."
+      )
+    decision = policies.decide_save(
+      step,
+      local_interval=self._options.local.save_interval_steps,
+      persistent_interval=self._options.persistent.save_interval_steps,
+      force=force,
+    )
+    if not decision.any:
+      return False
+    validate_data_state(data_state)
+    paths, leaves, _ = shards_lib.leaf_paths(state)
+    self._raise_background_errors()
+    if decision.local:
+      staged = self._local.stage(step, paths, leaves)
+      logger.debug("%s step %d staged in %.3fs", self._topology.log_prefix(), step, staged.stall_s)
+      self._track(
+        self._local.write_async(staged, on_done=lambda r: self._after_local(r, data_state))
+      )
+    else:
+      self._queue_state(step, data_state)
+    if decision.persistent and self._topology.is_primary_slice:
+      self._persistent.save(step, state)
+    self._last_step = step
+    return True
+
+  def _after_local(self, result: WriteResult, data_state: dict | None) -> None:
+    # The JSON is written after the local write, so COMMIT means "every
+    # process finished its save of this step" (even if the write failed: a
+    # peer slice or the persistent tier may still serve the tensors).
+    self._queue_state(result.step, data_state)
+    if result.ok:
+      self._apply_local_retention()
+
+  def _queue_state(self, step: int, data_state: dict | None) -> None:
+    write = self._state_writer.submit(self._state.write, step, data_state)
+    self._track(write)
+    if self._topology.is_primary_process:
+      self._track(self._committer.submit(self._commit, write, step))
+
+  def _commit(self, write: concurrent.futures.Future, step: int) -> None:
+    write.result()
+    self._state.commit(step, timeout_s=self._options.state_commit_timeout_s)
+
+  def _apply_local_retention(self) -> None:
+    steps = self._local.steps()
+    protected = next((s for s in reversed(steps) if self._state.is_committed(s)), None)
+    keep = policies.keep_latest(
+      steps, self._options.local.max_to_keep, () if protected is None else (protected,)
+    )
+    self._local.apply_retention(keep)
+
+  def _track(self, fut: concurrent.futures.Future) -> None:
+    def done(f: concurrent.futures.Future) -> None:
+      if f.exception() is not None:
+        logger.error(
+          "%s background checkpoint work failed: %s", self._topology.log_prefix(), f.exception()
+        )
+        with self._lock:
+          self._errors.append(f.exception())
+
+    with self._lock:
+      self._pending = [f for f in self._pending if not f.done()]
+      self._pending.append(fut)
+    fut.add_done_callback(done)
+
+  def _raise_background_errors(self) -> None:
+    with self._lock:
+      errors, self._errors = self._errors, []
+    if errors:
+      raise errors[0]
+
+  def wait_until_finished(self) -> None:
+    """Blocks until every started save is durable (local files, JSON, COMMIT,
+    persistent upload). Called by: every process. Re-raises the first error
+    of background work."""
+    self._local.wait()
+    while True:
+      with self._lock:
+        pending = [f for f in self._pending if not f.done()]
+      if not pending:
+        break
+      concurrent.futures.wait(pending)
+    self._persistent.wait_until_finished()
+    self._raise_background_errors()
+
+  # ---- inventory and agreement ---------------------------------------------
+  def _inventories(self, name: str) -> list[restore_plan.Inventory]:
+    topo = self._topology
+    local, rejected = self._local.usable_steps()
+    inv = restore_plan.Inventory(
+      process=topo.process_index,
+      slice=topo.slice_index,
+      local_steps=tuple(local),
+      local_rejected=rejected,
+      persistent_steps=tuple(self._persistent.steps()) if topo.is_primary_process else None,
+      state_steps=tuple(self._state.committed_steps()) if topo.is_primary_process else None,
+    )
+    got = self._collectives.exchange(name, inv.to_json())
+    return [restore_plan.Inventory.from_json(got[p]) for p in sorted(got)]
+
+  def all_steps(self) -> list[int]:
+    """Restorable steps by markers, oldest first. Called by: every process
+    (one exchange); every process gets the same answer."""
+    self._check_open()
+    invs = self._inventories("all_steps")
+    return sorted(c.step for c in restore_plan.candidates(invs, self._topology.slice_processes))
+
+  def latest_step(self) -> int | None:
+    """The newest restorable step, agreed by all processes. Called by: every
+    process (one exchange)."""
+    steps = self.all_steps()
+    return steps[-1] if steps else None
+
+  # ---- restore -------------------------------------------------------------
+  def restore(self, abstract_state: Any, step: int | None = None) -> RestoreResult:
+    """Restores the newest restorable step (or `step`) onto abstract_state's
+    shardings.
+
+    Called by: every process. Blocks on: one inventory exchange, reading this
+    process's local copy, one status exchange per tried step, and then either
+    nothing more (every slice intact), one cross-slice transfer (a slice lost
+    its copy) or a persistent read (no slice has it).
+    """
+    self._check_open()
+    self.wait_until_finished()
+    topo = self._topology
+    paths, abstract, treedef = shards_lib.leaf_paths(abstract_state)
+    invs = self._inventories("restore")
+    cands = restore_plan.candidates(invs, topo.slice_processes, step=step)
+    peer_problem = peer.check_peer_compatible(paths, abstract, self._mesh, topo.replica_axis_name)
+    tried = []
+    for cand in cands:
+      status, local, data_state = self._try_load(cand, paths, abstract)
+      got = self._collectives.exchange(f"restore_status_{cand.step}", status.to_json())
+      statuses = {p: restore_plan.Status.from_json(v) for p, v in got.items()}
+      mismatch = next((s.mismatch for s in statuses.values() if s.mismatch), None)
+      if mismatch:
+        raise StateMismatchError(mismatch)
+      if peer_problem:  # no slice can serve another: a partial loss needs persistent
+        cand = _without_peer(cand, topo.num_slices)
+      plan = restore_plan.decide(cand, statuses, topo.slice_processes)
+      if plan is None:
+        why = {p: s.error for p, s in statuses.items() if s.error}
+        logger.warning(
+          "%s step %d is not restorable after verification: %s", topo.log_prefix(), cand.step, why
+        )
+        tried.append(f"step {cand.step}: {why}")
+        continue
+      state = self._execute(plan, abstract_state, paths, abstract, treedef, local)
+      self._last_step = plan.step
+      source = plan.sources[topo.slice_index]
+      logger.info("%s restored step %d from %s", topo.log_prefix(), plan.step, source)
+      return RestoreResult(plan.step, state, data_state, source)
+    dirs = (
+      f"local {self._local.directory} (per process), persistent"
+      f" {self._options.persistent.directory}"
+    )
+    detail = restore_plan.describe_absence(invs, topo.slice_processes)
+    if tried:
+      detail += "; rejected after verification: " + "; ".join(tried)
+    if step is not None:
+      raise StepNotRestorableError(
+        f"step {step} is not restorable. Looked in {dirs}. {detail}. Call"
+        " all_steps() for the restorable steps."
+      )
+    raise NoRestorableCheckpointError(
+      f"no restorable checkpoint. Looked in {dirs}. {detail}. Start from"
+      " scratch, or point the options at the run's directories."
+    )
+
+  def _try_load(self, cand, paths, abstract):
+    topo = self._topology
+    local_ok, error, mismatch, local = None, None, None, None
+    if topo.slice_index in cand.local_slices:
+      try:
+        local = self._local.read(cand.step, paths, abstract)
+        local_ok = True
+      except StateMismatchError as e:
+        local_ok, mismatch = False, str(e)
+      except (CorruptCheckpointError, TopologyMismatchError, OSError) as e:
+        local_ok, error = False, f"local copy: {e}"
+        logger.warning("%s local copy of step %d unusable: %s", topo.log_prefix(), cand.step, e)
+    try:
+      data_state, state_ok = self._state.read(cand.step), True
+    except CorruptCheckpointError as e:
+      data_state, state_ok = None, False
+      error = f"{error}; state: {e}" if error else f"state: {e}"
+    status = restore_plan.Status(local_ok, state_ok, error, mismatch)
+    return status, local, data_state
+
+  def _execute(self, plan, abstract_state, paths, abstract, treedef, local):
+    topo = self._topology
+    if plan.peer_source is not None:
+      arrays = peer.transfer(
+        abstract,
+        None if local is None else local.arrays,
+        mesh=self._mesh,
+        replica_axis=topo.replica_axis_name,
+        is_source=topo.slice_index == plan.peer_source,
+      )
+      return jax.tree_util.tree_unflatten(treedef, arrays)
+    if plan.sources[topo.slice_index] == restore_plan.LOCAL:
+      arrays = [shards_lib.assemble(a, by_index) for a, by_index in zip(abstract, local.arrays)]
+      return jax.tree_util.tree_unflatten(treedef, arrays)
+    return self._persistent.restore(plan.step, abstract_state)
+
+  # ---- lifecycle -----------------------------------------------------------
+  def _check_open(self) -> None:
+    if self._closed:
+      raise EmergencyCheckpointError("this CheckpointManager is closed; create a new one.")
+
+  def close(self) -> None:
+    """Waits for background work, then releases threads. Called by: every process."""
+    if self._closed:
+      return
+    try:
+      self.wait_until_finished()
+    finally:
+      self._closed = True
+      self._local.close()
+      self._state_writer.shutdown(wait=True)
+      self._committer.shutdown(wait=True)
+      self._persistent.close()
+
+  def __enter__(self) -> CheckpointManager:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+
+def _without_peer(cand: restore_plan.Candidate, num_slices: int) -> restore_plan.Candidate:
+  """Local copies count only if every slice has one (no peer can serve)."""
+  if len(cand.local_slices) == num_slices:
+    return cand
+  return restore_plan.Candidate(cand.step, (), cand.in_persistent)
+
+
+__all__ = ["CheckpointManager", "RestoreResult"]

@@ -1,0 +1,151 @@
+"""Frozen, keyword-only option dataclasses, one per tier plus the manager.
+
+Every field documents its default and why. Validation raises
+`InvalidOptionsError` in `__post_init__`; it never rewrites a field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import re
+
+from emergency_ckpt.errors import InvalidOptionsError
+
+_RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def _require(cond: bool, message: str) -> None:
+  if not cond:
+    raise InvalidOptionsError(message)
+
+
+def _positive_int(value, name: str) -> None:
+  _require(
+    isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+    f"{name} must be an integer >= 1, got {value!r}.",
+  )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LocalTierOptions:
+  """Frequent saves of every process's own shards to a node-local ramdisk."""
+
+  directory: str
+  """Node-local directory (e.g. /dev/shm/ckpt). May differ per process; a
+  process only ever reads its own. Created with mode 0700 if missing."""
+
+  save_interval_steps: int = 10
+  """Save when step % save_interval_steps == 0. Local saves are cheap (one host
+  copy plus a background write), so the default is frequent."""
+
+  max_to_keep: int = 2
+  """Local steps kept per process. 2 keeps one step to fall back on while the
+  newest is written; the newest step with a committed state marker is always
+  kept as well, whatever this says."""
+
+  staging_buffers: int = 1
+  """Host staging buffers (each the size of this process's shards). With 1,
+  extra host RAM stays ~1x the bytes; a save that arrives while the previous
+  local write is still running waits for it. 2 lets saves overlap writes."""
+
+  def __post_init__(self):
+    _require(
+      isinstance(self.directory, str) and bool(self.directory),
+      "local.directory must be a non-empty path string (e.g. /dev/shm/ckpt).",
+    )
+    _require(
+      "://" not in self.directory,
+      f"local.directory={self.directory!r} must be a node-local path, not a URL.",
+    )
+    _positive_int(self.save_interval_steps, "local.save_interval_steps")
+    _positive_int(self.max_to_keep, "local.max_to_keep")
+    _positive_int(self.staging_buffers, "local.staging_buffers")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PersistentTierOptions:
+  """Less frequent saves by the primary slice to GCS (gs://) or any path."""
+
+  directory: str
+  """Shared, durable root: gs://bucket/path or a filesystem path. Holds
+  tensors/ (Orbax), state/ (JSON per process) and run.json."""
+
+  save_interval_steps: int = 100
+  """Save when step % save_interval_steps == 0. Uploads are slow and use
+  bandwidth, so the default is 10x rarer than the local tier."""
+
+  max_to_keep: int | None = 3
+  """Persistent steps kept (newest first); None keeps all."""
+
+  def __post_init__(self):
+    _require(
+      isinstance(self.directory, str) and bool(self.directory),
+      "persistent.directory must be a non-empty path or gs:// URL.",
+    )
+    _positive_int(self.save_interval_steps, "persistent.save_interval_steps")
+    if self.max_to_keep is not None:
+      _positive_int(self.max_to_keep, "persistent.max_to_keep")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckpointManagerOptions:
+  """Everything the manager needs; build one per process (directories may differ)."""
+
+  local: LocalTierOptions
+  """The ramdisk tier, saved by every slice."""
+
+  persistent: PersistentTierOptions
+  """The durable tier, saved by the primary slice. Also holds the state store,
+  so non-tensor state survives the loss of any ramdisk."""
+
+  replica_axis: str | int = "replica"
+  """Name (or index) of the mesh axis whose entries are slices."""
+
+  run_id: str | None = None
+  """Names this run's folder in the ramdisk, so a new job never reads another
+  job's leftovers. None derives it from persistent.directory (one run per
+  persistent directory); restarts of the same run keep the same id."""
+
+  collective_timeout_s: float = 300.0
+  """Longest wait for other processes in an exchange (restore agreement,
+  latest_step). On timeout the error names the missing processes."""
+
+  state_commit_timeout_s: float = 600.0
+  """How long the primary waits for every process's JSON of a step before it
+  gives up committing that step (the step then stays unrestorable)."""
+
+  def __post_init__(self):
+    _require(
+      isinstance(self.local, LocalTierOptions),
+      "local must be a LocalTierOptions.",
+    )
+    _require(
+      isinstance(self.persistent, PersistentTierOptions),
+      "persistent must be a PersistentTierOptions (it also holds the state"
+      " store, which must survive losing any ramdisk).",
+    )
+    _require(
+      isinstance(self.replica_axis, (str, int)) and not isinstance(self.replica_axis, bool),
+      f"replica_axis must be a mesh axis name or index, got {self.replica_axis!r}.",
+    )
+    if self.run_id is not None:
+      _require(
+        isinstance(self.run_id, str) and bool(_RUN_ID_RE.match(self.run_id)),
+        f"run_id={self.run_id!r} must be 1-128 characters of letters, digits,"
+        " '.', '_' or '-', starting with a letter or digit.",
+      )
+    for name in ("collective_timeout_s", "state_commit_timeout_s"):
+      value = getattr(self, name)
+      _require(
+        isinstance(value, (int, float)) and value > 0,
+        f"{name} must be a number > 0, got {value!r}.",
+      )
+
+  @property
+  def effective_run_id(self) -> str:
+    """run_id, or a stable digest of the persistent directory."""
+    if self.run_id is not None:
+      return self.run_id
+    digest = hashlib.sha256(self.persistent.directory.encode()).hexdigest()
+    return f"run-{digest[:16]}"

@@ -1,0 +1,35 @@
+"""Save decisions and retention: pure functions of steps, no collectives."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveDecision:
+  local: bool
+  persistent: bool
+
+  @property
+  def any(self) -> bool:
+    return self.local or self.persistent
+
+
+def decide_save(
+  step: int, *, local_interval: int, persistent_interval: int, force: bool = False
+) -> SaveDecision:
+  """Which tiers save `step`. The same on every process, so no agreement is needed.
+  `force` saves to both tiers."""
+  if force:
+    return SaveDecision(True, True)
+  return SaveDecision(step % local_interval == 0, step % persistent_interval == 0)
+
+
+def keep_latest(
+  steps: Iterable[int], max_to_keep: int | None, protected: Iterable[int] = ()
+) -> set[int]:
+  """The newest `max_to_keep` steps (all if None) plus `protected`."""
+  ordered = sorted(set(steps), reverse=True)
+  keep = set(ordered if max_to_keep is None else ordered[:max_to_keep])
+  return keep | (set(protected) & set(ordered))

@@ -1,0 +1,145 @@
+"""Which shards a process holds, and where each lives in a flat host buffer.
+
+A `Layout` is computed once per (tree paths, shapes, dtypes, shardings) and
+cached: saves of the same train state reuse it and its host buffers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from emergency_ckpt.errors import StateMismatchError, TopologyError
+
+ALIGN = 64
+Index = tuple[tuple[int, int], ...]
+
+
+def normalize_index(index: tuple[slice, ...], shape: Sequence[int]) -> Index:
+  """A tuple of slices (possibly with None bounds) as ((start, stop), ...)."""
+  out = []
+  for dim, sl in zip(shape, index):
+    start, stop, step = sl.indices(dim)
+    if step != 1:
+      raise TopologyError(f"strided shard index {index} is not supported")
+    out.append((start, stop))
+  out.extend((0, d) for d in shape[len(out) :])
+  return tuple(out)
+
+
+def shard_shape(index: Index) -> tuple[int, ...]:
+  return tuple(stop - start for start, stop in index)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardSlot:
+  index: Index
+  offset: int
+  nbytes: int
+  devices: tuple[Any, ...]  # local devices holding this index (save side)
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafLayout:
+  path: str
+  shape: tuple[int, ...]
+  dtype: np.dtype
+  slots: tuple[ShardSlot, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  leaves: tuple[LeafLayout, ...]
+  nbytes: int
+
+
+def dtype_name(dtype) -> str:
+  return str(jnp.dtype(dtype))
+
+
+def dtype_from_name(name: str) -> np.dtype:
+  return jnp.dtype(name)
+
+
+def leaf_paths(tree) -> tuple[list[str], list[Any], Any]:
+  """(keystr paths, leaves, treedef) of a pytree."""
+  flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  return [jax.tree_util.keystr(p) for p, _ in flat], [x for _, x in flat], treedef
+
+
+def _sharding_key(sharding) -> Any:
+  return sharding  # shardings are hashable and compare by value
+
+
+@functools.lru_cache(maxsize=16)
+def _layout_cached(key) -> Layout:
+  leaves = []
+  offset = 0
+  for path, shape, dtype, sharding in key:
+    by_index: dict[Index, list[Any]] = {}
+    for device, idx in sharding.addressable_devices_indices_map(shape).items():
+      by_index.setdefault(normalize_index(idx, shape), []).append(device)
+    slots = []
+    for index in sorted(by_index):
+      nbytes = int(np.prod(shard_shape(index), dtype=np.int64)) * dtype.itemsize
+      slots.append(ShardSlot(index, offset, nbytes, tuple(by_index[index])))
+      offset += -(-nbytes // ALIGN) * ALIGN
+    leaves.append(LeafLayout(path, tuple(shape), dtype, tuple(slots)))
+  return Layout(tuple(leaves), offset)
+
+
+def layout_for(paths: Sequence[str], leaves: Sequence[Any]) -> Layout:
+  """Layout of this process's unique addressable shards (arrays or abstract)."""
+  key = []
+  for path, leaf in zip(paths, leaves):
+    sharding = getattr(leaf, "sharding", None)
+    if sharding is None or not hasattr(leaf, "shape"):
+      raise StateMismatchError(
+        f"leaf {path} is a {type(leaf).__name__}; every leaf of the train state"
+        " must be a jax.Array (and of abstract_state a jax.ShapeDtypeStruct"
+        " with a sharding). Wrap scalars with jnp.asarray and device_put them."
+      )
+    key.append((path, tuple(leaf.shape), np.dtype(jnp.dtype(leaf.dtype)), _sharding_key(sharding)))
+  return _layout_cached(tuple(key))
+
+
+def view(buffer: np.ndarray, leaf: LeafLayout, slot: ShardSlot) -> np.ndarray:
+  """The slot's bytes in `buffer`, as an array of the shard's dtype and shape."""
+  raw = buffer[slot.offset : slot.offset + slot.nbytes]
+  return raw.view(leaf.dtype).reshape(shard_shape(slot.index))
+
+
+def stage(arrays: Sequence[jax.Array], layout: Layout, buffer: np.ndarray) -> None:
+  """Copies this process's unique shards into `buffer`. Blocks on the copy.
+
+  Device-to-host transfers are all started before the first one is awaited.
+  """
+  shard_maps = []
+  for arr, leaf in zip(arrays, layout.leaves):
+    by_device = {s.device: s for s in arr.addressable_shards}
+    shards = [by_device[slot.devices[0]] for slot in leaf.slots]
+    for s in shards:
+      if s.data.devices().pop().platform != "cpu":
+        s.data.copy_to_host_async()
+    shard_maps.append(shards)
+  for shards, leaf in zip(shard_maps, layout.leaves):
+    for s, slot in zip(shards, leaf.slots):
+      np.copyto(view(buffer, leaf, slot), np.asarray(s.data), casting="no")
+
+
+def assemble(abstract, arrays_by_index: dict[Index, np.ndarray]) -> jax.Array:
+  """A global jax.Array for `abstract` from this process's host shards."""
+  sharding = abstract.sharding
+  shape = tuple(abstract.shape)
+  devices, pieces = [], []
+  for device, idx in sharding.addressable_devices_indices_map(shape).items():
+    devices.append(device)
+    pieces.append(arrays_by_index[normalize_index(idx, shape)])
+  placed = jax.device_put(pieces, devices)
+  return jax.make_array_from_single_device_arrays(shape, sharding, placed)

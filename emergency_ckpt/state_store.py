@@ -1,0 +1,217 @@
+"""Non-tensor state: one JSON file per process per step, and a COMMIT marker.
+
+Layout (on the persistent directory, so it survives losing any ramdisk):
+  <root>/<step>/process_<i>-of-<n>.json   {"data_state": ..., "crc32": ...}
+  <root>/<step>/COMMIT                    written by the primary process last
+
+A step's state is committed iff COMMIT exists and every file it lists is
+present. Each file carries a CRC32 of its payload, checked on read, so a torn
+or edited file is detected, never silently loaded. Writes are atomic: a
+rename on filesystems, a single-object upload on GCS.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+import uuid
+import zlib
+from typing import Any
+
+from etils import epath
+
+from emergency_ckpt import failpoints
+from emergency_ckpt.errors import CorruptCheckpointError, DataStateError
+
+logger = logging.getLogger("emergency_ckpt")
+
+FORMAT = "emergency_ckpt.state/1"
+COMMIT = "COMMIT"
+
+
+def file_name(process: int, count: int) -> str:
+  return f"process_{process}-of-{count}.json"
+
+
+def _find_bad(value: Any, where: str) -> str | None:
+  if value is None or isinstance(value, (str, bool, int)):
+    return None
+  if isinstance(value, float):
+    return None if math.isfinite(value) else f"{where} (non-finite float {value})"
+  if isinstance(value, dict):
+    for k, v in value.items():
+      if not isinstance(k, str):
+        return f"{where}[{k!r}] (key is {type(k).__name__}, must be str)"
+      bad = _find_bad(v, f"{where}[{k!r}]")
+      if bad:
+        return bad
+    return None
+  if isinstance(value, (list, tuple)):
+    for i, v in enumerate(value):
+      bad = _find_bad(v, f"{where}[{i}]")
+      if bad:
+        return bad
+    return None
+  return f"{where} (a {type(value).__name__})"
+
+
+def validate_data_state(data_state: Any) -> None:
+  """Raises DataStateError naming the first value JSON cannot hold exactly."""
+  if data_state is None:
+    return
+  if not isinstance(data_state, dict):
+    raise DataStateError(
+      f"data_state must be a dict of JSON values or None, got a"
+      f" {type(data_state).__name__}. Use e.g. {{'iterator': it.get_state()}}."
+    )
+  bad = _find_bad(data_state, "data_state")
+  if bad:
+    raise DataStateError(
+      f"data_state is not JSON-serialisable at {bad}. Convert it to str, int,"
+      " float, bool, None, list or dict (numpy scalars: .item(); bytes: base64)."
+    )
+
+
+def _canonical(data_state: Any) -> bytes:
+  return json.dumps(data_state, sort_keys=True, separators=(",", ":")).encode()
+
+
+def atomic_write(path: epath.Path, data: bytes) -> None:
+  """Whole-or-nothing write: rename on filesystems, one upload on GCS."""
+  if str(path).startswith("gs://"):
+    path.write_bytes(data)
+    return
+  tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
+  with open(os.fspath(tmp), "wb") as f:
+    f.write(data)
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(os.fspath(tmp), os.fspath(path))
+
+
+class StateStore:
+  """The JSON-per-process store under one root (local path or gs://)."""
+
+  def __init__(self, root: epath.PathLike, *, process_index: int, process_count: int):
+    self.root = epath.Path(root)
+    self._me = process_index
+    self._n = process_count
+
+  def step_dir(self, step: int) -> epath.Path:
+    return self.root / str(step)
+
+  def write(self, step: int, data_state: dict | None) -> None:
+    """Writes this process's file for `step`. Called by: every process."""
+    failpoints.hit("state.before_write", step)
+    d = self.step_dir(step)
+    d.mkdir(parents=True, exist_ok=True)
+    doc = {
+      "format": FORMAT,
+      "step": step,
+      "process_index": self._me,
+      "process_count": self._n,
+      "data_state": data_state,
+      "crc32": zlib.crc32(_canonical(data_state)),
+    }
+    atomic_write(d / file_name(self._me, self._n), json.dumps(doc).encode())
+
+  def missing(self, step: int, count: int | None = None) -> list[int]:
+    """Processes whose file for `step` is absent (one listing)."""
+    count = self._n if count is None else count
+    d = self.step_dir(step)
+    present = {p.name for p in d.iterdir()} if d.exists() else set()
+    return [p for p in range(count) if file_name(p, count) not in present]
+
+  def commit(self, step: int, *, timeout_s: float, poll_s: float = 0.05) -> bool:
+    """Writes COMMIT once every process's file exists. Called by: the primary
+    process only. Blocks (polling) up to `timeout_s`; False if it gave up."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+      missing = self.missing(step)
+      if not missing:
+        break
+      if time.monotonic() > deadline:
+        logger.warning(
+          "state of step %d not committed: processes %s never wrote their"
+          " JSON within %.0fs; the step stays unrestorable.",
+          step,
+          missing,
+          timeout_s,
+        )
+        return False
+      time.sleep(poll_s)
+      poll_s = min(poll_s * 1.5, 2.0)
+    failpoints.hit("state.before_commit", step)
+    marker = {
+      "format": FORMAT,
+      "step": step,
+      "process_count": self._n,
+      "files": [file_name(p, self._n) for p in range(self._n)],
+      "committed_at": time.time(),
+    }
+    atomic_write(self.step_dir(step) / COMMIT, json.dumps(marker).encode())
+    return True
+
+  def _marker(self, step: int) -> dict | None:
+    try:
+      doc = json.loads((self.step_dir(step) / COMMIT).read_bytes())
+      return doc if doc.get("format") == FORMAT and doc.get("step") == step else None
+    except (OSError, ValueError):
+      return None
+
+  def listed_steps(self) -> list[int]:
+    if not self.root.exists():
+      return []
+    return sorted(int(p.name) for p in self.root.iterdir() if p.name.isdigit())
+
+  def committed_steps(self) -> list[int]:
+    """Steps whose COMMIT exists and lists files that are all present."""
+    out = []
+    for step in self.listed_steps():
+      marker = self._marker(step)
+      if marker is None:
+        continue
+      if not self.missing(step, marker["process_count"]):
+        out.append(step)
+    return out
+
+  def is_committed(self, step: int) -> bool:
+    marker = self._marker(step)
+    return marker is not None and not self.missing(step, marker["process_count"])
+
+  def read(self, step: int, process: int | None = None, count: int | None = None) -> dict | None:
+    """This process's (or `process`'s) data_state of `step`, checksum-verified.
+
+    Raises CorruptCheckpointError if the file is missing, torn or edited.
+    """
+    process = self._me if process is None else process
+    count = self._n if count is None else count
+    path = self.step_dir(step) / file_name(process, count)
+    try:
+      doc = json.loads(path.read_bytes())
+      data_state = doc["data_state"]
+      ok = (
+        doc.get("format") == FORMAT
+        and doc.get("step") == step
+        and zlib.crc32(_canonical(data_state)) == doc["crc32"]
+      )
+    except FileNotFoundError:
+      raise CorruptCheckpointError(f"{path} is missing") from None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+      raise CorruptCheckpointError(f"{path} is unreadable ({e})") from None
+    if not ok:
+      raise CorruptCheckpointError(f"{path} fails its checksum (torn or edited)")
+    return data_state
+
+  def delete(self, step: int) -> None:
+    """Removes a step's state, COMMIT first. Called by: the primary process."""
+    d = self.step_dir(step)
+    if not d.exists():
+      return
+    marker = d / COMMIT
+    if marker.exists():
+      marker.unlink()
+    d.rmtree()

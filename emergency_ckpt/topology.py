@@ -1,0 +1,243 @@
+"""Slices, process identity and collectives: the ONE module that touches them.
+
+Slices come from the mesh's replica axis. Exchanges go through the JAX
+coordination service's key-value store (no XLA, no device memory), each under a
+unique, namespaced key, each with a timeout whose error names the processes
+that never arrived. Tests replace `Collectives` to exercise pure logic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from emergency_ckpt.errors import CollectiveTimeoutError, TopologyError
+
+logger = logging.getLogger("emergency_ckpt")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Topology:
+  """Who this process is, and how processes group into slices."""
+
+  process_index: int
+  process_count: int
+  slice_index: int
+  slice_processes: tuple[tuple[int, ...], ...]
+  """slice_processes[s] = sorted process indices of slice s."""
+  replica_axis_index: int
+  replica_axis_name: str
+  mesh_shape: tuple[int, ...]
+  mesh_axis_names: tuple[str, ...]
+
+  @property
+  def num_slices(self) -> int:
+    return len(self.slice_processes)
+
+  @property
+  def is_primary_slice(self) -> bool:
+    return self.slice_index == 0
+
+  @property
+  def primary_process(self) -> int:
+    """The process that writes markers: the first process of slice 0."""
+    return self.slice_processes[0][0]
+
+  @property
+  def is_primary_process(self) -> bool:
+    return self.process_index == self.primary_process
+
+  def slice_of(self, process: int) -> int:
+    for s, procs in enumerate(self.slice_processes):
+      if process in procs:
+        return s
+    raise KeyError(process)
+
+  def fingerprint(self) -> dict[str, Any]:
+    """What a local-tier step must match to be read back by this job."""
+    return {
+      "process_count": self.process_count,
+      "slice_processes": [list(p) for p in self.slice_processes],
+      "mesh_shape": list(self.mesh_shape),
+      "mesh_axis_names": list(self.mesh_axis_names),
+      "replica_axis": self.replica_axis_name,
+    }
+
+  def log_prefix(self) -> str:
+    return f"[process={self.process_index}][slice={self.slice_index}]"
+
+
+def resolve_replica_axis(mesh: jax.sharding.Mesh, replica_axis: str | int) -> int:
+  names = tuple(mesh.axis_names)
+  if isinstance(replica_axis, int):
+    if not 0 <= replica_axis < len(names):
+      raise TopologyError(
+        f"replica_axis={replica_axis} is out of range for a mesh with axes"
+        f" {names}; pass one of {list(names)} or an index below {len(names)}."
+      )
+    return replica_axis
+  if replica_axis not in names:
+    raise TopologyError(
+      f"replica_axis={replica_axis!r} is not an axis of the mesh {names};"
+      " set CheckpointManagerOptions(replica_axis=...) to the axis whose"
+      " entries are slices (data-parallel replicas)."
+    )
+  return names.index(replica_axis)
+
+
+def topology_from_mesh(mesh: jax.sharding.Mesh, replica_axis: str | int) -> Topology:
+  """Splits processes into slices along the replica axis (pure given the mesh)."""
+  axis = resolve_replica_axis(mesh, replica_axis)
+  devices = np.asarray(mesh.devices)
+  slices: list[tuple[int, ...]] = []
+  owner: dict[int, int] = {}
+  for s in range(devices.shape[axis]):
+    procs = sorted({d.process_index for d in devices.take(s, axis=axis).flat})
+    for p in procs:
+      if p in owner:
+        raise TopologyError(
+          f"process {p} owns devices in slices {owner[p]} and {s} of replica"
+          f" axis {mesh.axis_names[axis]!r}; every process must belong to"
+          " exactly one slice. Put whole hosts on each replica-axis entry."
+        )
+      owner[p] = s
+    slices.append(tuple(procs))
+  me = jax.process_index()
+  count = jax.process_count()
+  if sorted(owner) != list(range(count)):
+    missing = sorted(set(range(count)) - set(owner))
+    raise TopologyError(
+      f"processes {missing} own no device of the mesh; the mesh must span every process of the job."
+    )
+  return Topology(
+    process_index=me,
+    process_count=count,
+    slice_index=owner[me],
+    slice_processes=tuple(slices),
+    replica_axis_index=axis,
+    replica_axis_name=str(mesh.axis_names[axis]),
+    mesh_shape=tuple(devices.shape),
+    mesh_axis_names=tuple(str(n) for n in mesh.axis_names),
+  )
+
+
+# One sequence per exchange name, process-wide: every process makes the same
+# calls in the same order, so the n-th call of a name gets the same key
+# everywhere, even across several managers in one process.
+_SEQUENCES: dict[str, itertools.count] = {}
+_SEQ_LOCK = threading.Lock()
+
+
+def _next_key(namespace: str, name: str) -> str:
+  with _SEQ_LOCK:
+    counter = _SEQUENCES.setdefault(f"{namespace}/{name}", itertools.count())
+    return f"emergency_ckpt/{namespace}/{name}/{next(counter)}"
+
+
+class Collectives:
+  """Exchanges between processes, each with a timeout naming missing processes.
+
+  Every method is called by every process in `processes` (default: all), in
+  the same order. Single-process jobs need no coordination service.
+  """
+
+  def __init__(self, topology: Topology, *, namespace: str, timeout_s: float):
+    self._topology = topology
+    self._namespace = namespace
+    self._timeout_s = timeout_s
+    self._client = None
+    if topology.process_count > 1:
+      client = jax._src.distributed.global_state.client  # noqa: SLF001
+      if client is None:
+        raise TopologyError(
+          "this job has several processes but jax.distributed is not"
+          " initialized; call jax.distributed.initialize() first."
+        )
+      self._client = client
+
+  @property
+  def topology(self) -> Topology:
+    return self._topology
+
+  def exchange(
+    self,
+    name: str,
+    payload: Any,
+    *,
+    processes: Sequence[int] | None = None,
+    timeout_s: float | None = None,
+  ) -> dict[int, Any]:
+    """All-gathers one JSON value per process. Blocks until all arrive.
+
+    Called by: every process in `processes` (all by default).
+    Raises CollectiveTimeoutError naming the processes that did not arrive.
+    """
+    me = self._topology.process_index
+    procs = list(range(self._topology.process_count)) if processes is None else sorted(processes)
+    if me not in procs:
+      raise ValueError(f"process {me} is not among {procs} for exchange {name!r}")
+    encoded = json.dumps(payload, sort_keys=True)
+    if self._client is None or len(procs) == 1:
+      return {me: json.loads(encoded)}
+    key = _next_key(self._namespace, name)
+    self._client.key_value_set(f"{key}/{me}", encoded)
+    timeout_s = self._timeout_s if timeout_s is None else timeout_s
+    deadline = time.monotonic() + timeout_s
+    out: dict[int, Any] = {}
+    pending = list(procs)
+    while pending:
+      p = pending[0]
+      remaining_ms = int(max(0.0, deadline - time.monotonic()) * 1000)
+      try:
+        value = self._client.blocking_key_value_get(f"{key}/{p}", max(remaining_ms, 1))
+      except Exception:  # noqa: BLE001 - the client raises a generic error on timeout
+        missing = self._missing(key, pending)
+        raise CollectiveTimeoutError(
+          f"{self._topology.log_prefix()} exchange {name!r} timed out after"
+          f" {timeout_s:.0f}s waiting for processes {missing} (of {procs});"
+          " they may be hung, stopped or dead. Check their logs, then restart"
+          " the job; raise collective_timeout_s if they are only slow."
+        ) from None
+      out[p] = json.loads(value)
+      pending.pop(0)
+    return out
+
+  def _missing(self, key: str, pending: list[int]) -> list[int]:
+    missing = []
+    for q in pending:
+      try:
+        self._client.key_value_try_get(f"{key}/{q}")
+      except Exception:  # noqa: BLE001 - raised when the key does not exist
+        missing.append(q)
+    return missing
+
+  def barrier(
+    self, name: str, *, processes: Sequence[int] | None = None, timeout_s: float | None = None
+  ) -> None:
+    """Blocks until every process in `processes` arrives (an empty exchange)."""
+    self.exchange(name, None, processes=processes, timeout_s=timeout_s)
+
+
+def init_orbax_multihost() -> None:
+  """Orbax prerequisites for barriers over process subsets (idempotent).
+
+  Called by: every process, once, when the manager is created (it contains a
+  global barrier inside Orbax).
+  """
+  if jax.process_count() == 1:
+    return
+  from orbax.checkpoint._src.multihost import multihost  # noqa: PLC0415
+
+  if not multihost.is_runtime_to_distributed_ids_initialized():
+    multihost.initialize_runtime_to_distributed_ids()
+  if not multihost.is_distributed_to_device_ids_initialized():
+    multihost.initialize_distributed_to_device_ids()

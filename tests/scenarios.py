@@ -1,0 +1,184 @@
+"""Code that runs inside multi-process test jobs (see tests/mpjob.py)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import emergency_ckpt as ec
+from emergency_ckpt.topology import topology_from_mesh
+
+SPECS = {
+  "w": ((8, 16), np.float32, P(None, "data")),
+  "b": ((16,), ml_dtypes.bfloat16, P("data")),
+  "ids": ((4, 8), np.int32, P(None, "data")),
+  "count": ((), np.int32, P()),
+  "mask": ((8,), np.bool_, P("data")),
+}
+
+
+def pid() -> int:
+  return jax.process_index()
+
+
+def mesh_for(slices: int) -> Mesh:
+  devices = np.array(jax.devices()).reshape(slices, -1)
+  return Mesh(devices, ("replica", "data"))
+
+
+def expected(step: int) -> dict[str, np.ndarray]:
+  """Global values for `step`, with bit patterns that lossy paths break."""
+  w = (np.arange(128, dtype=np.float32).reshape(8, 16) * 0.5 + step).astype(np.float32)
+  wb = w.view(np.uint32)
+  wb[0, 0] = 0x80000000  # -0.0
+  wb[0, 1] = 0x00000001  # smallest denormal
+  wb[0, 2] = 0x7FC00000 | (step + 1)  # NaN with a payload
+  wb[0, 3] = 0x7F800000  # +inf
+  wb[1, 5] = 0x807FFFFF  # negative denormal
+  b = (np.arange(16, dtype=np.float32) - 3 + step).astype(ml_dtypes.bfloat16)
+  bb = b.view(np.uint16)
+  bb[0] = 0x8000  # -0.0
+  bb[1] = 0x7FC1  # NaN payload
+  bb[2] = 0x0001  # denormal
+  ids = (np.arange(32, dtype=np.int32).reshape(4, 8) * (step + 7) - 50).astype(np.int32)
+  count = np.asarray(step * 3 - 1, dtype=np.int32)
+  mask = (np.arange(8) + step) % 3 == 0
+  return {"w": w, "b": b, "ids": ids, "count": count, "mask": mask}
+
+
+def make_state(mesh: Mesh, step: int) -> dict[str, jax.Array]:
+  values = expected(step)
+  out = {}
+  for name, (shape, _dtype, spec) in SPECS.items():
+    v = values[name]
+    out[name] = jax.make_array_from_callback(
+      shape, NamedSharding(mesh, spec), lambda idx, v=v: v[idx]
+    )
+  return out
+
+
+def abstract_state(mesh: Mesh) -> dict[str, jax.ShapeDtypeStruct]:
+  return {
+    name: jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=NamedSharding(mesh, spec))
+    for name, (shape, dtype, spec) in SPECS.items()
+  }
+
+
+def bits(a: np.ndarray) -> np.ndarray:
+  a = np.asarray(a)
+  if a.dtype == np.bool_:
+    return a.view(np.uint8)
+  return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize])
+
+
+def mismatches(state: dict[str, jax.Array], step: int) -> list[str]:
+  """Leaves whose addressable shards differ bit-for-bit from expected(step)."""
+  want = expected(step)
+  bad = []
+  for name, arr in state.items():
+    if arr.dtype != want[name].dtype or arr.shape != want[name].shape:
+      bad.append(f"{name}: {arr.dtype}{arr.shape} != {want[name].dtype}{want[name].shape}")
+      continue
+    for shard in arr.addressable_shards:
+      if not np.array_equal(bits(np.asarray(shard.data)), bits(want[name][shard.index])):
+        bad.append(f"{name}{shard.index}")
+  return bad
+
+
+def data_state(step: int) -> dict[str, Any]:
+  return {"pos": step * 1000 + pid(), "seed": [pid(), step], "tag": f"p{pid()}-s{step}"}
+
+
+def host_dir(args: dict) -> str:
+  return os.path.join(args["local_root"], f"host_{pid()}")
+
+
+def options(args: dict) -> ec.CheckpointManagerOptions:
+  return ec.CheckpointManagerOptions(
+    local=ec.LocalTierOptions(
+      directory=host_dir(args),
+      save_interval_steps=args.get("local_interval", 1),
+      max_to_keep=args.get("local_keep", 2),
+    ),
+    persistent=ec.PersistentTierOptions(
+      directory=args["persistent"],
+      save_interval_steps=args.get("persistent_interval", 2),
+      max_to_keep=args.get("persistent_keep", 3),
+    ),
+    replica_axis=args.get("replica_axis", "replica"),
+    run_id=args.get("run_id", "test-run"),
+    collective_timeout_s=args.get("collective_timeout_s", 60),
+    state_commit_timeout_s=args.get("state_commit_timeout_s", 30),
+  )
+
+
+def barrier(name: str) -> None:
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices(name)
+
+
+def save_steps(args: dict) -> dict:
+  """Saves args['steps'] (each a state distinct by step), then waits."""
+  mesh = mesh_for(args["slices"])
+  saved = []
+  with ec.CheckpointManager(options(args), mesh=mesh) as mngr:
+    for step in args["steps"]:
+      if mngr.save(step, make_state(mesh, step), data_state=data_state(step)):
+        saved.append(step)
+    mngr.wait_until_finished()
+    topo = mngr.topology
+    return {"saved": saved, "slice": topo.slice_index, "local_dir": mngr.local_directory}
+
+
+def _wipe(args: dict) -> None:
+  shutil.rmtree(host_dir(args), ignore_errors=True)
+
+
+def restore_variants(args: dict) -> list[dict]:
+  """For each variant: set the disks up as it says, restore with a fresh
+  manager, report step, source, data_state and bit mismatches."""
+  mesh = mesh_for(args["slices"])
+  me = pid()
+  backup = host_dir(args) + ".backup"
+  shutil.copytree(host_dir(args), backup, symlinks=True)
+  out = []
+  for i, variant in enumerate(args["variants"]):
+    shutil.rmtree(host_dir(args), ignore_errors=True)
+    shutil.copytree(backup, host_dir(args), symlinks=True)
+    slice_index = topology_from_mesh(mesh, "replica").slice_index
+    if slice_index in variant.get("wipe_slices", ()):
+      _wipe(args)  # this host was replaced: its ramdisk is empty
+    with ec.CheckpointManager(options(args), mesh=mesh) as mngr:
+      for target_pid, step in variant.get("delete_json", ()):
+        if target_pid == me:
+          n = jax.process_count()
+          os.remove(
+            os.path.join(args["persistent"], "state", str(step), f"process_{me}-of-{n}.json")
+          )
+      barrier(f"variant-{i}-ready")
+      record: dict[str, Any] = {"name": variant["name"], "slice": slice_index}
+      try:
+        latest = mngr.latest_step()
+        r = mngr.restore(abstract_state(mesh))
+        record.update(
+          step=r.step,
+          source=r.source,
+          data_state=r.data_state,
+          latest=latest,
+          mismatches=mismatches(r.state, r.step),
+          expected_data_state=data_state(r.step),
+        )
+      except ec.EmergencyCheckpointError as e:
+        record.update(error=type(e).__name__, message=str(e))
+    barrier(f"variant-{i}-done")
+    out.append(record)
+  return out
