@@ -177,10 +177,16 @@ class CheckpointManager:
 
   def _apply_local_retention(self) -> None:
     steps = self._local.steps()
-    protected = next((s for s in reversed(steps) if self._state.is_committed(s)), None)
-    keep = policies.keep_latest(
-      steps, self._options.local.max_to_keep, () if protected is None else (protected,)
-    )
+    committed = next((s for s in reversed(steps) if self._state.is_committed(s)), None)
+    keep = policies.keep_local(steps, self._options.local.max_to_keep, committed)
+    if len(keep) > self._options.local.max_to_keep + 2:
+      logger.warning(
+        "%s keeping %d local steps (max_to_keep=%d): their state is not committed yet;"
+        " is the persistent directory reachable?",
+        self._topology.log_prefix(),
+        len(keep),
+        self._options.local.max_to_keep,
+      )
     self._local.apply_retention(keep)
 
   def _track(self, fut: concurrent.futures.Future) -> None:

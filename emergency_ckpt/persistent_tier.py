@@ -1,8 +1,9 @@
 """Persistent tier: Orbax's standard format on gs:// or any path.
 
-Saved by the primary slice only, from a slice-local view of the train state
-(the primary slice's shards, no copy), through an Orbax CheckpointManager whose
-barriers span the primary slice's processes only. Restored by every process
+Saved by the primary slice only, through an Orbax CheckpointManager whose
+barriers span the primary slice's processes only: it gets the global arrays
+and writes the shards of replica 0, which live on the primary slice (the
+state is replicated over the replica axis), so no copy is made. Restored by every process
 through Orbax, each reading the shards it needs straight from storage (no
 broadcast, so values come back bit-exact), onto any topology.
 
@@ -16,7 +17,6 @@ import logging
 from typing import Any
 
 import jax
-import numpy as np
 from etils import epath
 from jax.sharding import Mesh, NamedSharding
 
@@ -42,34 +42,25 @@ def _ocp():
   return ocp
 
 
-def slice_mesh(mesh: Mesh, topology: Topology, slice_index: int) -> Mesh:
-  """The sub-mesh of one slice, without the replica axis."""
-  axis = topology.replica_axis_index
-  devices = np.take(np.asarray(mesh.devices), slice_index, axis=axis)
-  names = tuple(n for i, n in enumerate(mesh.axis_names) if i != axis)
-  return Mesh(devices, names)
-
-
-def slice_local_view(arr: jax.Array, sub_mesh: Mesh, replica_axis: str) -> jax.Array:
-  """`arr` seen from one slice only: the same buffers, a slice-local sharding."""
-  sharding = arr.sharding
-  if not isinstance(sharding, NamedSharding):
-    raise TopologyError(
-      f"persistent saves need NamedSharding leaves, got {type(sharding).__name__}"
-    )
-  for entry in sharding.spec:
-    names = entry if isinstance(entry, tuple) else (entry,)
-    if replica_axis in names:
+def check_replicated(tree: Any, replica_axis: str) -> None:
+  """Raises TopologyError unless every leaf is replicated over the replica axis
+  (then the primary slice alone holds a full copy: the shards of replica 0)."""
+  for path, arr in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    sharding = getattr(arr, "sharding", None)
+    if not isinstance(sharding, NamedSharding):
       raise TopologyError(
-        f"a leaf is sharded over the replica axis {replica_axis!r}; the primary"
-        " slice alone does not hold it, so the persistent tier cannot save it."
-        " Replicate the train state over the replica axis."
+        f"leaf {jax.tree_util.keystr(path)} has a {type(sharding).__name__}; the"
+        " train state must use NamedSharding on the manager's mesh."
       )
-  devices = set(sub_mesh.devices.flat)
-  shards = [s.data for s in arr.addressable_shards if s.device in devices]
-  return jax.make_array_from_single_device_arrays(
-    arr.shape, NamedSharding(sub_mesh, sharding.spec), shards
-  )
+    for entry in sharding.spec:
+      names = entry if isinstance(entry, tuple) else (entry,)
+      if replica_axis in names:
+        raise TopologyError(
+          f"leaf {jax.tree_util.keystr(path)} is sharded over the replica axis"
+          f" {replica_axis!r}; no single slice holds it, so neither the persistent"
+          " tier nor a peer slice can serve it. Replicate the train state over"
+          " the replica axis."
+        )
 
 
 class PersistentTier:
@@ -83,7 +74,6 @@ class PersistentTier:
     self._mesh = mesh
     self.directory = epath.Path(options.directory) / "tensors"
     self._manager = None
-    self._sub_mesh = None
     if topology.is_primary_slice:
       ocp = _ocp()
       procs = set(topology.slice_processes[0])
@@ -93,9 +83,20 @@ class PersistentTier:
         barrier_sync_key_prefix=barrier_prefix,
       )
       self.directory.mkdir(parents=True, exist_ok=True)  # idempotent on every process
+      # Writes the shards of replica 0 only: the primary slice's.
+      registry = ocp.type_handlers.create_type_handler_registry(
+        (
+          jax.Array,
+          ocp.type_handlers.ArrayHandler(
+            primary_host=topology.primary_process, replica_id=0, use_replica_parallel=False
+          ),
+        )
+      )
       self._manager = ocp.CheckpointManager(
         self.directory,
-        item_handlers=ocp.StandardCheckpointHandler(multiprocessing_options=mp),
+        item_handlers=ocp.PyTreeCheckpointHandler(
+          multiprocessing_options=mp, type_handler_registry=registry
+        ),
         options=ocp.CheckpointManagerOptions(
           max_to_keep=options.max_to_keep,
           enable_async_checkpointing=True,
@@ -103,7 +104,6 @@ class PersistentTier:
           create=False,
         ),
       )
-      self._sub_mesh = slice_mesh(mesh, topology, 0)
 
   def steps(self) -> list[int]:
     """Committed (finalized) steps. Any process may call it."""
@@ -117,10 +117,8 @@ class PersistentTier:
     Blocks on the host copy (and on a previous persistent save still running)."""
     ocp = _ocp()
     assert self._manager is not None, "only the primary slice saves persistently"
-    local_tree = jax.tree.map(
-      lambda a: slice_local_view(a, self._sub_mesh, self._topology.replica_axis_name), tree
-    )
-    self._manager.save(step, args=ocp.args.StandardSave(local_tree))
+    check_replicated(tree, self._topology.replica_axis_name)
+    self._manager.save(step, args=ocp.args.PyTreeSave(tree))
 
   def restore(self, step: int, abstract_tree: Any) -> Any:
     """Reads `step` onto abstract_tree's shardings. Called by: every process."""

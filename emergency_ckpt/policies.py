@@ -33,3 +33,14 @@ def keep_latest(
   ordered = sorted(set(steps), reverse=True)
   keep = set(ordered if max_to_keep is None else ordered[:max_to_keep])
   return keep | (set(protected) & set(ordered))
+
+
+def keep_local(steps: Iterable[int], max_to_keep: int, newest_committed: int | None) -> set[int]:
+  """Local steps to keep. Never drops the newest step whose state is committed
+  (the newest restorable candidate), nor any newer step (its commit may still
+  be on its way); with no committed step known, drops nothing."""
+  steps = set(steps)
+  if newest_committed is None:
+    return steps
+  pending = {s for s in steps if s >= newest_committed}
+  return keep_latest(steps, max_to_keep) | pending

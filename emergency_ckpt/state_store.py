@@ -79,9 +79,25 @@ def _canonical(data_state: Any) -> bytes:
   return json.dumps(data_state, sort_keys=True, separators=(",", ":")).encode()
 
 
+def is_gcs(path: epath.PathLike) -> bool:
+  return os.fspath(path).startswith("gs://")
+
+
+def forget_listings(path: epath.PathLike) -> None:
+  """Drops this process's cached GCS listings of `path` and its parents.
+
+  gcsfs (behind epath on gs://) caches every directory listing for the life of
+  the process and refreshes it only after its own writes, so objects that
+  OTHER processes wrote since stay invisible: a COMMIT waiting for them would
+  time out. Call before listing or probing a shared directory. No-op off GCS.
+  """
+  if is_gcs(path):
+    epath.backend.fsspec_backend.fs(path).invalidate_cache(os.fspath(path))
+
+
 def atomic_write(path: epath.Path, data: bytes) -> None:
   """Whole-or-nothing write: rename on filesystems, one upload on GCS."""
-  if str(path).startswith("gs://"):
+  if is_gcs(path):
     path.write_bytes(data)
     return
   tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"

@@ -134,6 +134,8 @@ def save_steps(args: dict) -> dict:
     for step in args["steps"]:
       if mngr.save(step, make_state(mesh, step), data_state=data_state(step)):
         saved.append(step)
+      if args.get("wait_each"):
+        mngr.wait_until_finished()
     mngr.wait_until_finished()
     topo = mngr.topology
     return {"saved": saved, "slice": topo.slice_index, "local_dir": mngr.local_directory}
@@ -168,14 +170,17 @@ def restore_variants(args: dict) -> list[dict]:
       record: dict[str, Any] = {"name": variant["name"], "slice": slice_index}
       try:
         latest = mngr.latest_step()
+        steps = mngr.all_steps()
         r = mngr.restore(abstract_state(mesh))
         record.update(
           step=r.step,
           source=r.source,
           data_state=r.data_state,
           latest=latest,
+          all_steps=steps,
           mismatches=mismatches(r.state, r.step),
           expected_data_state=data_state(r.step),
+          local_entries=sorted(os.listdir(mngr.local_directory)),
         )
       except ec.EmergencyCheckpointError as e:
         record.update(error=type(e).__name__, message=str(e))
