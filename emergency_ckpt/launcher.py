@@ -1,0 +1,168 @@
+"""Launches real multi-process jax.distributed jobs on one CPU machine.
+
+Used by the demo, the benchmark and the tests. `run_job("pkg.mod:fn", n, args)`
+starts n processes of `python -m emergency_ckpt.launcher`, each running
+`fn(args)` after
+jax.distributed.initialize on 127.0.0.1. Each returns a JSON-able result,
+written to <out>/result_<i>.json. The launcher kills only its own children,
+by PID, after a timeout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from typing import Any
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+@dataclasses.dataclass
+class JobResult:
+  returncodes: list[int]
+  results: list[Any]  # per process: the function's result, or None
+  errors: list[str | None]  # per process: traceback text, or None
+  logs: list[str]
+  timed_out: bool
+  wall_s: float
+
+  def check(self) -> list[Any]:
+    """The per-process results, asserting every process succeeded."""
+    bad = [i for i, rc in enumerate(self.returncodes) if rc != 0]
+    if bad or self.timed_out:
+      detail = "\n".join(
+        f"--- process {i} rc={self.returncodes[i]}\n{self.errors[i] or ''}\n{self.logs[i][-4000:]}"
+        for i in (bad or range(len(self.returncodes)))
+      )
+      raise AssertionError(f"job failed (timed_out={self.timed_out}):\n{detail}")
+    return self.results
+
+
+def run_job(
+  target: str,
+  num_processes: int,
+  args: dict,
+  *,
+  devices_per_process: int = 2,
+  timeout_s: float = 240,
+  env: dict[int, dict[str, str]] | None = None,
+  out_dir: str | None = None,
+) -> JobResult:
+  out_dir = out_dir or tempfile.mkdtemp(prefix="ecjob-")
+  os.makedirs(out_dir, exist_ok=True)
+  port = free_port()
+  procs = []
+  logs = []
+  t0 = time.monotonic()
+  for i in range(num_processes):
+    e = dict(os.environ)
+    e.update(
+      {
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_per_process}",
+        "EC_TEST_COORD": f"127.0.0.1:{port}",
+        "EC_TEST_NPROC": str(num_processes),
+        "EC_TEST_PID": str(i),
+        "EC_TEST_OUT": out_dir,
+        "PYTHONPATH": REPO + os.pathsep + e.get("PYTHONPATH", ""),
+        "PYTHONUNBUFFERED": "1",
+      }
+    )
+    e.pop("EC_FAILPOINTS", None)
+    e.update((env or {}).get(i, {}))
+    log_path = os.path.join(out_dir, f"log_{i}.txt")
+    logs.append(log_path)
+    with open(log_path, "wb") as log:
+      procs.append(
+        subprocess.Popen(
+          [sys.executable, "-m", "emergency_ckpt.launcher", target, json.dumps(args)],
+          stdout=log,
+          stderr=subprocess.STDOUT,
+          env=e,
+          cwd=REPO,
+          start_new_session=True,
+        )
+      )
+  timed_out = False
+  deadline = t0 + timeout_s
+  for p in procs:
+    try:
+      p.wait(timeout=max(0.1, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+      timed_out = True
+      break
+  if timed_out:
+    for p in procs:
+      if p.poll() is None:
+        os.kill(p.pid, signal.SIGKILL)
+    for p in procs:
+      p.wait()
+  results, errors = [], []
+  for i in range(num_processes):
+    path = os.path.join(out_dir, f"result_{i}.json")
+    if os.path.exists(path):
+      with open(path) as f:
+        doc = json.load(f)
+      results.append(doc.get("result"))
+      errors.append(doc.get("error"))
+    else:
+      results.append(None)
+      errors.append(None)
+  log_text = []
+  for path in logs:
+    with open(path, errors="replace") as f:
+      log_text.append(f.read())
+  return JobResult(
+    [p.returncode for p in procs], results, errors, log_text, timed_out, time.monotonic() - t0
+  )
+
+
+def _worker_main() -> None:
+  target, raw_args = sys.argv[1], sys.argv[2]
+  pid = int(os.environ["EC_TEST_PID"])
+  n = int(os.environ["EC_TEST_NPROC"])
+  out = os.path.join(os.environ["EC_TEST_OUT"], f"result_{pid}.json")
+  code = 1
+  doc: dict[str, Any] = {}
+  try:
+    import jax  # noqa: PLC0415
+
+    if n > 1:
+      jax.distributed.initialize(
+        coordinator_address=os.environ["EC_TEST_COORD"],
+        num_processes=n,
+        process_id=pid,
+        initialization_timeout=120,
+      )
+    module, fn = target.split(":")
+    result = getattr(importlib.import_module(module), fn)(json.loads(raw_args))
+    doc = {"result": result}
+    code = 0
+  except BaseException:  # noqa: BLE001 - report everything, then exit hard
+    doc = {"error": traceback.format_exc()}
+    print(doc["error"], file=sys.stderr)
+  with open(out + ".tmp", "w") as f:
+    json.dump(doc, f)
+  os.replace(out + ".tmp", out)
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(code)  # never hang in jax.distributed shutdown
+
+
+if __name__ == "__main__":
+  _worker_main()
