@@ -87,7 +87,7 @@ def test_save_restart_restore(shm_dir, topology):
       assert rec["data_state"]["pos"] == step * 1000 + process, where
 
 
-@pytest.mark.parametrize("topology", ["2x2", "1slice"])
+@pytest.mark.parametrize("topology", list(TOPOLOGIES))
 def test_sigkill_mid_local_save(shm_dir, topology):
   """(f) One process dies halfway through writing step 3's shards: step 3 is
   never listed anywhere, and the restart restores step 2 bit-exactly."""
