@@ -63,12 +63,22 @@ def apply_overrides(data: dict, overrides: Iterable[str]) -> dict:
       raise ConfigError(f"override {item!r} must look like key.sub=value.")
     key, raw = item.split("=", 1)
     parts = key.strip().split(".")
+    if not all(parts):
+      raise ConfigError(f"override {item!r} must look like key.sub=value (empty key).")
     node = data
     for part in parts[:-1]:
-      node = node.setdefault(part, {})
-      if not isinstance(node, dict):
+      child = node.get(part)
+      if child is None:
+        child = node[part] = {}
+      elif isinstance(child, Mapping):
+        child = node[part] = dict(child)
+      else:
         raise ConfigError(f"override {item!r}: {part} is not a section.")
-    node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+      node = child
+    try:
+      node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as e:
+      raise ConfigError(f"override {item!r}: value is not valid YAML: {e}") from None
   return data
 
 

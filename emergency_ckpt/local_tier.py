@@ -395,3 +395,27 @@ def check_tree_matches(saved_paths: Sequence[str], paths: Sequence[str], where: 
     f" Saved but not asked for: {missing[:5]}; asked for but not saved:"
     f" {extra[:5]}. Pass the abstract_state of the train state that was saved."
   )
+
+
+def verify_step_dir(path: str) -> tuple[dict | None, list[str]]:
+  """(manifest body or None, problems) for one local step folder, checking
+  the manifest and every shard's CRC32 without JAX. Any process may call it."""
+  problems: list[str] = []
+  try:
+    with open(os.path.join(path, "manifest.json"), "rb") as f:
+      body = decode_manifest(f.read(), path)
+  except (OSError, CorruptCheckpointError) as e:
+    return None, [str(e)]
+  try:
+    with open(os.path.join(path, "shards.bin"), "rb") as f:
+      buf = np.frombuffer(f.read(), dtype=np.uint8)
+  except OSError as e:
+    return body, [f"{path}/shards.bin: {e}"]
+  if buf.nbytes != body["nbytes"]:
+    problems.append(f"{path}/shards.bin has {buf.nbytes} bytes, manifest says {body['nbytes']}")
+    return body, problems
+  for leaf in body["leaves"]:
+    for s in leaf["shards"]:
+      if zlib.crc32(buf[s["offset"] : s["offset"] + s["nbytes"]]) != s["crc32"]:
+        problems.append(f"{path}: leaf {leaf['path']} shard {s['index']} fails its checksum")
+  return body, problems

@@ -31,7 +31,8 @@ from emergency_ckpt.errors import (
 from emergency_ckpt.local_tier import LocalTier, WriteResult
 from emergency_ckpt.options import CheckpointManagerOptions
 from emergency_ckpt.persistent_tier import PersistentTier
-from emergency_ckpt.state_store import StateStore, atomic_write, validate_data_state
+from emergency_ckpt.state_store import StateStore, validate_data_state
+from emergency_ckpt.storage import atomic_write
 from emergency_ckpt.topology import Collectives, init_orbax_multihost, topology_from_mesh
 
 logger = logging.getLogger("emergency_ckpt")
@@ -173,7 +174,20 @@ class CheckpointManager:
 
   def _commit(self, write: concurrent.futures.Future, step: int) -> None:
     write.result()
-    self._state.commit(step, timeout_s=self._options.state_commit_timeout_s)
+    if self._state.commit(step, timeout_s=self._options.state_commit_timeout_s):
+      self._apply_state_retention()
+
+  def _apply_state_retention(self) -> None:
+    listed = self._state.listed_steps()
+    keep = policies.keep_state(
+      listed,
+      self._state.committed_steps(),
+      self._persistent.steps(),
+      local_keep=self._options.local.max_to_keep,
+      persistent_interval=self._options.persistent.save_interval_steps,
+    )
+    for step in sorted(set(listed) - keep):
+      self._state.delete(step)
 
   def _apply_local_retention(self) -> None:
     steps = self._local.steps()

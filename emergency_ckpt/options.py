@@ -131,14 +131,14 @@ class CheckpointManagerOptions:
     )
     if self.run_id is not None:
       _require(
-        isinstance(self.run_id, str) and bool(_RUN_ID_RE.match(self.run_id)),
+        isinstance(self.run_id, str) and bool(_RUN_ID_RE.fullmatch(self.run_id)),
         f"run_id={self.run_id!r} must be 1-128 characters of letters, digits,"
         " '.', '_' or '-', starting with a letter or digit.",
       )
     for name in ("collective_timeout_s", "state_commit_timeout_s"):
       value = getattr(self, name)
       _require(
-        isinstance(value, (int, float)) and value > 0,
+        isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0,
         f"{name} must be a number > 0, got {value!r}.",
       )
 

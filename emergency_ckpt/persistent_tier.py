@@ -22,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from emergency_ckpt.errors import TopologyError
 from emergency_ckpt.options import PersistentTierOptions
+from emergency_ckpt.storage import check_bucket, forget_listings
 from emergency_ckpt.topology import Topology
 
 logger = logging.getLogger("emergency_ckpt")
@@ -74,6 +75,9 @@ class PersistentTier:
     self._mesh = mesh
     self.directory = epath.Path(options.directory) / "tensors"
     self._manager = None
+    # Every process, before anything waits on another: a missing bucket fails
+    # each of them at once, naming it (on GCS; no-op elsewhere).
+    check_bucket(options.directory, "opening the persistent directory")
     if topology.is_primary_slice:
       ocp = _ocp()
       procs = set(topology.slice_processes[0])
@@ -108,6 +112,7 @@ class PersistentTier:
   def steps(self) -> list[int]:
     """Committed (finalized) steps. Any process may call it."""
     ocp = _ocp()
+    forget_listings(self.directory)  # other processes save and delete steps here
     if not self.directory.exists():
       return []
     return sorted(ocp.path.step.checkpoint_steps(self.directory))

@@ -44,3 +44,29 @@ def keep_local(steps: Iterable[int], max_to_keep: int, newest_committed: int | N
     return steps
   pending = {s for s in steps if s >= newest_committed}
   return keep_latest(steps, max_to_keep) | pending
+
+
+def keep_state(
+  listed: Iterable[int],
+  committed: Iterable[int],
+  persistent: Iterable[int],
+  *,
+  local_keep: int,
+  persistent_interval: int,
+) -> set[int]:
+  """State-store steps to keep: those of every persistent step, of the newest
+  `local_keep + 2` committed steps (local copies may still exist), every step
+  newer than the newest committed one (commits in flight), and every
+  persistent-interval step newer than the newest persistent one (uploads in
+  flight)."""
+  listed = set(listed)
+  committed = sorted(set(committed) & listed)
+  persistent = set(persistent)
+  keep = (persistent & listed) | set(committed[-(local_keep + 2) :])
+  if committed:
+    keep |= {s for s in listed if s > committed[-1]}
+  else:
+    keep |= listed
+  newest_persistent = max(persistent, default=-1)
+  keep |= {s for s in listed if s > newest_persistent and s % persistent_interval == 0}
+  return keep

@@ -15,9 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import time
-import uuid
 import zlib
 from typing import Any
 
@@ -25,6 +23,7 @@ from etils import epath
 
 from emergency_ckpt import failpoints
 from emergency_ckpt.errors import CorruptCheckpointError, DataStateError
+from emergency_ckpt.storage import atomic_write, forget_listings
 
 logger = logging.getLogger("emergency_ckpt")
 
@@ -79,35 +78,6 @@ def _canonical(data_state: Any) -> bytes:
   return json.dumps(data_state, sort_keys=True, separators=(",", ":")).encode()
 
 
-def is_gcs(path: epath.PathLike) -> bool:
-  return os.fspath(path).startswith("gs://")
-
-
-def forget_listings(path: epath.PathLike) -> None:
-  """Drops this process's cached GCS listings of `path` and its parents.
-
-  gcsfs (behind epath on gs://) caches every directory listing for the life of
-  the process and refreshes it only after its own writes, so objects that
-  OTHER processes wrote since stay invisible: a COMMIT waiting for them would
-  time out. Call before listing or probing a shared directory. No-op off GCS.
-  """
-  if is_gcs(path):
-    epath.backend.fsspec_backend.fs(path).invalidate_cache(os.fspath(path))
-
-
-def atomic_write(path: epath.Path, data: bytes) -> None:
-  """Whole-or-nothing write: rename on filesystems, one upload on GCS."""
-  if is_gcs(path):
-    path.write_bytes(data)
-    return
-  tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
-  with open(os.fspath(tmp), "wb") as f:
-    f.write(data)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(os.fspath(tmp), os.fspath(path))
-
-
 class StateStore:
   """The JSON-per-process store under one root (local path or gs://)."""
 
@@ -138,6 +108,7 @@ class StateStore:
     """Processes whose file for `step` is absent (one listing)."""
     count = self._n if count is None else count
     d = self.step_dir(step)
+    forget_listings(d)  # other processes write here
     present = {p.name for p in d.iterdir()} if d.exists() else set()
     return [p for p in range(count) if file_name(p, count) not in present]
 
@@ -172,6 +143,7 @@ class StateStore:
     return True
 
   def _marker(self, step: int) -> dict | None:
+    forget_listings(self.step_dir(step))
     try:
       doc = json.loads((self.step_dir(step) / COMMIT).read_bytes())
       return doc if doc.get("format") == FORMAT and doc.get("step") == step else None
@@ -179,6 +151,7 @@ class StateStore:
       return None
 
   def listed_steps(self) -> list[int]:
+    forget_listings(self.root)
     if not self.root.exists():
       return []
     return sorted(int(p.name) for p in self.root.iterdir() if p.name.isdigit())
@@ -206,6 +179,7 @@ class StateStore:
     process = self._me if process is None else process
     count = self._n if count is None else count
     path = self.step_dir(step) / file_name(process, count)
+    forget_listings(path.parent)
     try:
       doc = json.loads(path.read_bytes())
       data_state = doc["data_state"]
@@ -225,6 +199,7 @@ class StateStore:
   def delete(self, step: int) -> None:
     """Removes a step's state, COMMIT first. Called by: the primary process."""
     d = self.step_dir(step)
+    forget_listings(d)
     if not d.exists():
       return
     marker = d / COMMIT

@@ -21,3 +21,27 @@ def shm_dir():
   path = tempfile.mkdtemp(prefix="ectest-", dir=base)
   yield path
   shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def gcs_server(tmp_path_factory):
+  """One fake-gcs-server for the session; points gcsfs and tensorstore (here
+  and in every child process, which inherits os.environ) at it."""
+  from tests.gcs_server import GcsServer  # noqa: PLC0415
+
+  server = GcsServer(log_dir=str(tmp_path_factory.mktemp("fakegcs"))).start()
+  saved = {k: os.environ.get(k) for k in server.env}
+  os.environ.update(server.env)
+  yield server
+  server.stop()
+  for k, v in saved.items():
+    if v is None:
+      os.environ.pop(k, None)
+    else:
+      os.environ[k] = v
+
+
+@pytest.fixture
+def gcs_bucket(gcs_server):
+  """A fresh, uniquely named bucket on the session's server, as gs://<name>."""
+  return f"gs://{gcs_server.create_bucket()}"

@@ -1,0 +1,257 @@
+"""Unit tests of the JSON-per-process state store on a local directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import numpy as np
+import pytest
+from etils import epath
+
+from emergency_ckpt.errors import CorruptCheckpointError, DataStateError
+from emergency_ckpt.state_store import (
+  COMMIT,
+  StateStore,
+  file_name,
+  validate_data_state,
+)
+from emergency_ckpt.storage import atomic_write
+
+N = 3
+
+
+def stores(root, n=N):
+  return [StateStore(root, process_index=i, process_count=n) for i in range(n)]
+
+
+def payload(process: int, step: int) -> dict:
+  return {
+    "iterator": {"epoch": step // 10, "position": step * 7 + process, "seed": 1234567890123},
+    "lr": 0.1 / (process + 1),
+    "tags": ["a", "b", None, True, -0.0],
+    "name": f"p{process}-\u00e9",
+  }
+
+
+def save_step(root, step, *, commit=True, skip=()):
+  ss = stores(root)
+  for s in ss:
+    if s._me not in skip:
+      s.write(step, payload(s._me, step))
+  if commit:
+    assert ss[0].commit(step, timeout_s=1.0)
+  return ss
+
+
+def test_write_commit_read_round_trip(tmp_path):
+  ss = save_step(tmp_path, 10)
+  save_step(tmp_path, 20)
+  for s in ss:
+    for step in (10, 20):
+      got = s.read(step)
+      assert got == payload(s._me, step)
+      assert json.dumps(got, sort_keys=True) == json.dumps(payload(s._me, step), sort_keys=True)
+  # Any process can read another's file explicitly.
+  assert ss[0].read(20, process=2) == payload(2, 20)
+  assert ss[0].committed_steps() == [10, 20]
+  assert ss[2].is_committed(10)
+  names = sorted(os.listdir(tmp_path / "10"))
+  assert names == sorted([COMMIT] + [file_name(p, N) for p in range(N)])
+
+
+def test_none_data_state_round_trips(tmp_path):
+  ss = stores(tmp_path)
+  for s in ss:
+    s.write(5, None)
+  assert ss[0].commit(5, timeout_s=1.0)
+  assert [s.read(5) for s in ss] == [None, None, None]
+
+
+def test_committed_steps_excludes_missing_commit(tmp_path):
+  ss = save_step(tmp_path, 10)
+  save_step(tmp_path, 20, commit=False)
+  assert ss[0].committed_steps() == [10]
+  assert not ss[0].is_committed(20)
+  assert ss[0].listed_steps() == [10, 20]
+
+
+def test_committed_steps_excludes_commit_with_deleted_file(tmp_path):
+  ss = save_step(tmp_path, 10)
+  save_step(tmp_path, 20)
+  os.remove(tmp_path / "20" / file_name(1, N))
+  assert ss[0].committed_steps() == [10]
+  assert not ss[0].is_committed(20)
+  assert ss[0].is_committed(10)
+
+
+@pytest.mark.parametrize(
+  "marker",
+  [b"", b"{not json", json.dumps({"format": "other/1", "step": 20}).encode()],
+  ids=["empty", "garbage", "wrong_format"],
+)
+def test_committed_steps_excludes_bad_marker(tmp_path, marker):
+  ss = save_step(tmp_path, 20)
+  (tmp_path / "20" / COMMIT).write_bytes(marker)
+  assert ss[0].committed_steps() == []
+
+
+def test_commit_copied_from_another_step_does_not_count(tmp_path):
+  ss = save_step(tmp_path, 10)
+  save_step(tmp_path, 20, commit=False)
+  (tmp_path / "20" / COMMIT).write_bytes((tmp_path / "10" / COMMIT).read_bytes())
+  assert ss[0].committed_steps() == [10]
+
+
+def test_listed_steps_ignores_other_names(tmp_path):
+  ss = save_step(tmp_path, 3)
+  (tmp_path / "tmp").mkdir()
+  (tmp_path / "12abc").mkdir()
+  assert ss[0].listed_steps() == [3]
+  assert StateStore(tmp_path / "absent", process_index=0, process_count=1).committed_steps() == []
+
+
+def _file(root, step, process):
+  return root / str(step) / file_name(process, N)
+
+
+def test_read_truncated_file(tmp_path):
+  ss = save_step(tmp_path, 10)
+  path = _file(tmp_path, 10, 1)
+  raw = path.read_bytes()
+  path.write_bytes(raw[: len(raw) // 2])
+  with pytest.raises(CorruptCheckpointError, match="unreadable"):
+    ss[1].read(10)
+  assert ss[0].read(10) == payload(0, 10)  # others unaffected
+
+
+@pytest.mark.parametrize(
+  "edit",
+  [
+    lambda doc: doc["data_state"]["iterator"].update(position=999),
+    lambda doc: doc["data_state"].update(extra=1),
+    lambda doc: doc.update(crc32=doc["crc32"] ^ 1),
+    lambda doc: doc.update(step=11),  # a file copied from another step
+    lambda doc: doc.update(format="other/1"),
+  ],
+  ids=["value", "added_key", "crc", "step", "format"],
+)
+def test_read_edited_file_fails_checksum(tmp_path, edit):
+  ss = save_step(tmp_path, 10)
+  path = _file(tmp_path, 10, 2)
+  doc = json.loads(path.read_bytes())
+  edit(doc)
+  path.write_bytes(json.dumps(doc).encode())
+  with pytest.raises(CorruptCheckpointError, match="checksum"):
+    ss[2].read(10)
+
+
+@pytest.mark.parametrize(
+  "text",
+  ['{"format": "emergency_ckpt.state/1", "step": 10}', "[1, 2]", "\xff\xfe"],
+  ids=["no_keys", "not_object", "not_utf8"],
+)
+def test_read_malformed_file(tmp_path, text):
+  ss = save_step(tmp_path, 10)
+  _file(tmp_path, 10, 0).write_bytes(text.encode("latin-1"))
+  with pytest.raises(CorruptCheckpointError):
+    ss[0].read(10)
+
+
+def test_read_missing_file(tmp_path):
+  ss = save_step(tmp_path, 10)
+  os.remove(_file(tmp_path, 10, 1))
+  with pytest.raises(CorruptCheckpointError, match="missing"):
+    ss[1].read(10)
+  with pytest.raises(CorruptCheckpointError, match="missing"):
+    ss[0].read(99)
+
+
+@pytest.mark.parametrize(
+  "data_state,where",
+  [
+    ({"seen": {1, 2}}, "data_state['seen'] (a set)"),
+    ({"n": np.int64(3)}, "data_state['n'] (a int64)"),
+    ({"x": np.float32(1.5)}, "data_state['x'] (a float32)"),
+    ({"ok": np.bool_(True)}, "data_state['ok']"),
+    ({"raw": b"\x00\x01"}, "data_state['raw'] (a bytes)"),
+    ({"loss": float("nan")}, "data_state['loss'] (non-finite float nan)"),
+    ({"loss": float("-inf")}, "data_state['loss'] (non-finite float -inf)"),
+    ({1: "one"}, "data_state[1] (key is int, must be str)"),
+    ({"outer": {(1, 2): "t"}}, "data_state['outer'][(1, 2)] (key is tuple"),
+    ({"a": [1, "x", {"b": [0, {3}]}]}, "data_state['a'][2]['b'][1] (a set)"),
+    ({"a": [1.0, float("inf")]}, "data_state['a'][1]"),
+    ({"arr": np.zeros(2)}, "data_state['arr'] (a ndarray)"),
+  ],
+)
+def test_validate_data_state_names_bad_key(data_state, where):
+  with pytest.raises(DataStateError) as info:
+    validate_data_state(data_state)
+  assert where in str(info.value)
+  assert isinstance(info.value, TypeError)
+
+
+@pytest.mark.parametrize("data_state", [[1, 2], "state", 3, (1,)])
+def test_validate_data_state_rejects_non_dict(data_state):
+  with pytest.raises(DataStateError, match="must be a dict"):
+    validate_data_state(data_state)
+
+
+@pytest.mark.parametrize(
+  "data_state",
+  [None, {}, {"a": 1, "b": [1.5, "x", None, True, {"c": []}], "big": 2**70, "neg": -0.0}],
+)
+def test_validate_data_state_accepts_json(data_state):
+  validate_data_state(data_state)
+
+
+def test_commit_times_out_when_a_file_is_missing(tmp_path):
+  ss = save_step(tmp_path, 10, commit=False, skip=(2,))
+  t0 = time.monotonic()
+  assert ss[0].commit(10, timeout_s=0.3) is False
+  elapsed = time.monotonic() - t0
+  assert 0.3 <= elapsed < 3.0
+  assert not (tmp_path / "10" / COMMIT).exists()
+  assert ss[0].committed_steps() == []
+  assert ss[0].missing(10) == [2]
+  ss[2].write(10, payload(2, 10))
+  assert ss[0].commit(10, timeout_s=0.3) is True
+  assert ss[0].committed_steps() == [10]
+
+
+def test_commit_waits_for_a_late_writer(tmp_path):
+  import threading
+
+  ss = save_step(tmp_path, 10, commit=False, skip=(1,))
+  timer = threading.Timer(0.2, lambda: ss[1].write(10, payload(1, 10)))
+  timer.start()
+  try:
+    assert ss[0].commit(10, timeout_s=5.0, poll_s=0.02) is True
+  finally:
+    timer.join()
+  assert ss[0].committed_steps() == [10]
+
+
+def test_delete_removes_step(tmp_path):
+  ss = save_step(tmp_path, 10)
+  save_step(tmp_path, 20)
+  ss[0].delete(10)
+  assert not (tmp_path / "10").exists()
+  assert ss[0].committed_steps() == [20]
+  assert ss[0].listed_steps() == [20]
+  ss[0].delete(10)  # deleting again is a no-op
+  ss[0].delete(12345)
+  with pytest.raises(CorruptCheckpointError):
+    ss[0].read(10)
+
+
+def test_atomic_write_leaves_no_temp_files(tmp_path):
+  path = epath.Path(tmp_path) / "blob"
+  atomic_write(path, b"first")
+  atomic_write(path, b"second, longer")
+  assert path.read_bytes() == b"second, longer"
+  assert os.listdir(tmp_path) == ["blob"]
+  save_step(tmp_path / "store", 7)
+  leftovers = [n for n in os.listdir(tmp_path / "store" / "7") if ".tmp" in n]
+  assert leftovers == []
