@@ -125,7 +125,7 @@ def stage(arrays: Sequence[jax.Array], layout: Layout, buffer: np.ndarray) -> No
     by_device = {s.device: s for s in arr.addressable_shards}
     shards = [by_device[slot.devices[0]] for slot in leaf.slots]
     for s in shards:
-      if s.data.devices().pop().platform != "cpu":
+      if s.device.platform != "cpu":
         s.data.copy_to_host_async()
     shard_maps.append(shards)
   for shards, leaf in zip(shard_maps, layout.leaves):

@@ -1,0 +1,96 @@
+"""The manager in one process (a 1-slice job): API errors and a round trip."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import emergency_ckpt as ec
+
+
+@pytest.fixture
+def mesh():
+  return Mesh(np.array(jax.devices()).reshape(1, -1), ("replica", "data"))
+
+
+@pytest.fixture
+def options(shm_dir):
+  return ec.CheckpointManagerOptions(
+    local=ec.LocalTierOptions(directory=os.path.join(shm_dir, "local"), save_interval_steps=2),
+    persistent=ec.PersistentTierOptions(
+      directory=os.path.join(shm_dir, "persistent"), save_interval_steps=4
+    ),
+    run_id="single",
+  )
+
+
+def _state(mesh, value: float):
+  return {"w": jax.device_put(jnp.full((4, 2), value, jnp.float32), NamedSharding(mesh, P()))}
+
+
+def _abstract(mesh, shape=(4, 2), dtype=jnp.float32):
+  return {"w": jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P()))}
+
+
+def test_nothing_restorable_names_directories(options, mesh):
+  with ec.CheckpointManager(options, mesh=mesh) as mngr:
+    assert mngr.latest_step() is None
+    with pytest.raises(FileNotFoundError) as e:
+      mngr.restore(_abstract(mesh))
+  assert isinstance(e.value, ec.NoRestorableCheckpointError)
+  assert options.persistent.directory in str(e.value)
+  assert "local" in str(e.value)
+
+
+def test_round_trip_intervals_and_step_errors(options, mesh):
+  with ec.CheckpointManager(options, mesh=mesh) as mngr:
+    assert mngr.save(1, _state(mesh, 1.0)) is False  # no interval hit
+    assert mngr.save(2, _state(mesh, 2.0), data_state={"pos": 2}) is True  # local
+    assert mngr.save(4, _state(mesh, 4.0), data_state={"pos": 4}) is True  # both tiers
+    with pytest.raises(ec.StepAlreadyExistsError):
+      mngr.save(4, _state(mesh, 4.0))
+    with pytest.raises(ec.StepError):
+      mngr.save(3, _state(mesh, 3.0))
+    with pytest.raises(ec.StepError):
+      mngr.save(-1, _state(mesh, 3.0))
+    with pytest.raises(ec.DataStateError, match=r"\['rng'\]"):
+      mngr.save(6, _state(mesh, 6.0), data_state={"rng": np.uint32(7)})
+    mngr.wait_until_finished()
+    assert mngr.all_steps() == [2, 4]
+    r = mngr.restore(_abstract(mesh))
+    assert (r.step, r.source, r.data_state) == (4, "local", {"pos": 4})
+    np.testing.assert_array_equal(np.asarray(r.state["w"]), np.full((4, 2), 4.0, np.float32))
+    r2 = mngr.restore(_abstract(mesh), step=2)
+    assert r2.step == 2 and r2.data_state == {"pos": 2}
+    with pytest.raises(ec.StepNotRestorableError):
+      mngr.restore(_abstract(mesh), step=3)
+
+
+def test_abstract_state_mismatch_is_a_clear_error(options, mesh):
+  with ec.CheckpointManager(options, mesh=mesh) as mngr:
+    mngr.save(2, _state(mesh, 2.0), force=True)
+    mngr.wait_until_finished()
+    with pytest.raises(ec.StateMismatchError, match="float32"):
+      mngr.restore(_abstract(mesh, dtype=jnp.int32))
+    with pytest.raises(ec.StateMismatchError, match="abstract_state"):
+      mngr.restore({"v": _abstract(mesh)["w"]})
+
+
+def test_wrong_replica_axis_is_named(options, mesh):
+  import dataclasses  # noqa: PLC0415
+
+  bad = dataclasses.replace(options, replica_axis="slices")
+  with pytest.raises(ec.TopologyError, match="'slices'"):
+    ec.CheckpointManager(bad, mesh=mesh)
+
+
+def test_local_dir_is_0700(options, mesh):
+  with ec.CheckpointManager(options, mesh=mesh) as mngr:
+    mode = os.stat(mngr.local_directory).st_mode & 0o777
+  assert mode == 0o700
