@@ -199,7 +199,11 @@ class LocalTier:
         bad[step] = str(e)
         continue
       if body["topology"] != fingerprint or body["run_id"] != self._run_id:
-        bad[step] = f"saved with topology {body['topology']}, this job has {fingerprint}"
+        bad[step] = (
+          f"saved with topology {body['topology']}, this job has {fingerprint};"
+          " a local copy only serves the topology that wrote it: restore this"
+          " step from the persistent tier"
+        )
         continue
       good.append(step)
     return good, bad

@@ -335,7 +335,21 @@ class CheckpointManager:
         local_ok, error = False, f"local copy: {e}"
         logger.warning("%s local copy of step %d unusable: %s", topo.log_prefix(), cand.step, e)
     try:
-      data_state, state_ok = self._state.read(cand.step), True
+      saved_count = self._state.saved_process_count(cand.step)
+      if saved_count is not None and saved_count != topo.process_count:
+        # Per-process iterator positions cannot be mapped onto another
+        # process count: the tensors restore (resharded), data_state is None.
+        logger.warning(
+          "%s step %d was saved by %d processes, this job has %d: data_state is None;"
+          " re-initialise the data pipeline for the new topology.",
+          topo.log_prefix(),
+          cand.step,
+          saved_count,
+          topo.process_count,
+        )
+        data_state, state_ok = None, True
+      else:
+        data_state, state_ok = self._state.read(cand.step), True
     except CorruptCheckpointError as e:
       data_state, state_ok = None, False
       error = f"{error}; state: {e}" if error else f"state: {e}"

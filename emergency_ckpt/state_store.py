@@ -150,6 +150,11 @@ class StateStore:
     except (OSError, ValueError):
       return None
 
+  def saved_process_count(self, step: int) -> int | None:
+    """How many processes saved `step` (from its COMMIT), or None if uncommitted."""
+    marker = self._marker(step)
+    return None if marker is None else marker["process_count"]
+
   def listed_steps(self) -> list[int]:
     forget_listings(self.root)
     if not self.root.exists():

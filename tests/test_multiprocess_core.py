@@ -129,3 +129,18 @@ def test_sigkill_mid_local_save(shm_dir, topology):
     assert rec["data_state"] == rec["expected_data_state"]
     # The torn .tmp folder of step 3 was cleaned when the manager started.
     assert not any(n.startswith(".tmp") for n in rec["local_entries"]), rec["local_entries"]
+
+
+def test_reshard_restore_from_persistent_onto_another_topology(shm_dir):
+  """Saved by 2 slices x 2 processes, restored by 1 slice x 4 processes (the
+  data axis grows from 4 to 8): local copies are refused (other topology),
+  the persistent tier serves the step resharded, bit-exactly."""
+  args = _args(shm_dir, 2)
+  run_job("tests.scenarios:save_steps", 4, args).check()
+  args.update(slices=1, variants=[{"name": "resharded"}])
+  results = run_job("tests.scenarios:restore_variants", 4, args).check()
+  for process, (rec,) in enumerate(results):
+    assert "error" not in rec, rec.get("message")
+    assert (rec["step"], rec["source"]) == (4, "persistent"), (process, rec)
+    assert rec["mismatches"] == []
+    assert rec["data_state"] == rec["expected_data_state"]  # same process count
