@@ -1,0 +1,393 @@
+"""Reduces per-process job results to figures, ratios, JSON and a markdown table.
+
+Every figure is the median over repetitions of a per-repetition reduction
+over processes: the max for times and RAM (the job waits for its slowest
+process), the sum for CPU-seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from benchmarks.adapters import MANAGERS, ORBAX_MS, ORBAX_P2P, OURS
+
+MIB = 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class Metric:
+  key: str
+  label: str
+  unit: str
+  bound: str
+
+
+METRICS = (
+  Metric("save_stall_s", "save() stall", "s", "memcpy_s"),
+  Metric("save_durable_local_s", "save until durable locally", "s", "ramdisk_write_s"),
+  Metric(
+    "save_durable_persistent_s", "save until durable on persistent", "s", "persistent_write_s"
+  ),
+  Metric("save_cpu_s", "CPU-seconds per save, all processes", "cpu-s", "cpu_memcpy_write_s"),
+  Metric(
+    "save_peak_extra_ram_mib", "peak extra host RAM in save, per process", "MiB", "one_copy_mib"
+  ),
+  Metric("restore_intact_s", "restore, all slices intact", "s", "ramdisk_read_s"),
+  Metric("restore_lose_slice_s", "restore, slice 1 ramdisks lost (2x2)", "s", "ramdisk_read_s"),
+  Metric(
+    "restore_lose_slice_4x1_s", "restore, slice 3 ramdisk lost (4x1)", "s", "ramdisk_read_4x1_s"
+  ),
+  Metric(
+    "restore_persistent_cold_s",
+    "restore from persistent, cache evicted",
+    "s",
+    "persistent_cold_read_s",
+  ),
+  Metric("start_to_restored_s", "process spawn to restored state", "s", "ready_plus_read_s"),
+)
+
+BOUNDS = {
+  "memcpy_s": "memcpy of the process's bytes into a preallocated buffer",
+  "ramdisk_write_s": "write + fsync of the process's bytes to a new file on its ramdisk",
+  "persistent_write_s": "write + fsync of the process's bytes to a new file in the persistent dir",
+  "cpu_memcpy_write_s": "CPU-seconds of memcpy + ramdisk write, summed over processes",
+  "one_copy_mib": "one host copy of the process's bytes (computed, not measured)",
+  "ramdisk_read_s": "read of the process's bytes from its ramdisk into a preallocated buffer",
+  "ramdisk_read_4x1_s": "the same on the 4x1 mesh (each process holds a whole replica)",
+  "persistent_cold_read_s": "read from the persistent dir after fsync + POSIX_FADV_DONTNEED",
+  "ready_s": "process spawn to jax.distributed ready, no checkpoint library imported"
+  " (median over the raw job and every restart job)",
+  "ready_plus_read_s": "ready_s + ramdisk_read_s (computed)",
+}
+
+
+def _median(xs: Sequence[float]) -> float | None:
+  xs = [x for x in xs if x is not None]
+  return statistics.median(xs) if xs else None
+
+
+def _per_rep(
+  procs: Sequence[dict], get: Callable[[dict], Sequence[float]], reduce=max, where=None
+) -> list[float]:
+  """Per repetition, `reduce` over processes (those `where` accepts)."""
+  rows = [get(p) for p in procs if where is None or where(p)]
+  return [reduce(col) for col in zip(*rows)]
+
+
+# ---- raw bounds --------------------------------------------------------------
+def raw_figures(raw: list[dict], restart_ready: Sequence[float] = ()) -> dict[str, dict]:
+  """The raw bounds. `restart_ready`: every restart job's spawn-to-ready time
+  (max over processes), pooled with the raw job's for a steadier ready_s."""
+
+  def lay(name):
+    return [p["layouts"][name] for p in raw]
+
+  two, four = lay("2x2"), lay("4x1")
+  out: dict[str, dict] = {}
+
+  def add(key, samples, unit="s"):
+    out[key] = {"value": _median(samples), "unit": unit, "samples": samples, "what": BOUNDS[key]}
+
+  for key in ("memcpy_s", "ramdisk_write_s", "ramdisk_read_s", "persistent_write_s"):
+    add(key, _per_rep(two, lambda p, k=key: [r[k] for r in p["reps"]]))
+  add(
+    "persistent_cold_read_s",
+    _per_rep(two, lambda p: [r["persistent_cold_read_s"] for r in p["reps"]]),
+  )
+  add(
+    "cpu_memcpy_write_s",
+    _per_rep(two, lambda p: [r["cpu_memcpy_write_s"] for r in p["reps"]], reduce=sum),
+    "cpu-s",
+  )
+  add("ramdisk_read_4x1_s", _per_rep(four, lambda p: [r["ramdisk_read_s"] for r in p["reps"]]))
+  add("one_copy_mib", [max(p["bytes"] for p in two) / MIB], "MiB")
+  add("ready_s", [max(p["ready_s"] for p in raw), *restart_ready])
+  add("ready_plus_read_s", [out["ready_s"]["value"] + out["ramdisk_read_s"]["value"]])
+  return out
+
+
+# ---- managers ----------------------------------------------------------------
+def _sources(pairs) -> dict[str, list[str]]:
+  """{"slice s": sorted distinct sources} from (slice, records) pairs."""
+  out: dict[str, set] = {}
+  for slice_index, records in pairs:
+    for r in records:
+      out.setdefault(f"slice {slice_index}", set()).add(r["source"])
+  return {k: sorted(v) for k, v in sorted(out.items())}
+
+
+def manager_figures(
+  name: str, main: list[dict] | None, main_error: str | None, restarts: list, restart_errors: list
+) -> tuple[dict[str, dict], dict]:
+  """({metric: {"value", "samples", "note"|"reason"}}, extras) of one manager."""
+  figs: dict[str, dict] = {}
+  extras: dict[str, Any] = {}
+  if main is None:
+    reason = f"the manager's job failed: {main_error}"
+    for mt in METRICS:
+      if mt.key != "start_to_restored_s":
+        figs[mt.key] = {"value": None, "reason": reason}
+  else:
+    two = [p["layouts"]["2x2"] for p in main]
+    four = [p["layouts"]["4x1"] for p in main]
+
+    def add(key, samples, note=None):
+      figs[key] = {"value": _median(samples), "samples": samples}
+      if note:
+        figs[key]["note"] = note
+
+    def saves(field):
+      return lambda p: [s[field] for s in p["saves"]]
+
+    add("save_stall_s", _per_rep(two, saves("stall_s")))
+    if name == ORBAX_MS:
+      add(
+        "save_durable_local_s",
+        _per_rep(two, saves("all_s"), where=lambda p: p["slice"] != 0),
+        "slices >= 1 only: by design slice 0 keeps no ramdisk copy",
+      )
+      add(
+        "save_durable_persistent_s",
+        _per_rep(two, saves("all_s"), where=lambda p: p["slice"] == 0),
+        "slice 0 only: the slice that writes persistent",
+      )
+    else:
+      add("save_durable_local_s", _per_rep(two, saves("local_s")))
+      add("save_durable_persistent_s", _per_rep(two, saves("all_s")))
+    add("save_cpu_s", _per_rep(two, saves("cpu_s"), reduce=sum))
+    add(
+      "save_peak_extra_ram_mib",
+      [x / MIB for x in _per_rep(two, saves("peak_extra_bytes"))],
+      "peak sampled RSS during save + wait, minus RSS before the manager's first save",
+    )
+    for variant, key in (
+      ("intact", "restore_intact_s"),
+      ("lose_slice", "restore_lose_slice_s"),
+      ("persistent_cold", "restore_persistent_cold_s"),
+    ):
+      add(key, _per_rep(two, lambda p, v=variant: [r["total_s"] for r in p["restores"][v]]))
+      figs[key]["sources"] = _sources((p["slice"], p["restores"][variant]) for p in two)
+    add(
+      "restore_lose_slice_4x1_s",
+      _per_rep(four, lambda p: [r["total_s"] for r in p["restores"]["lose_slice"]]),
+    )
+    figs["restore_lose_slice_4x1_s"]["sources"] = _sources(
+      (p["slice"], p["restores"]["lose_slice"]) for p in four
+    )
+    if name == ORBAX_MS:
+      srcs = figs["restore_lose_slice_s"]["sources"]
+      if any("persistent" in s for v in srcs.values() for s in v):
+        figs["restore_lose_slice_s"]["note"] = (
+          "on 2 slices only slice 1 keeps a ramdisk copy, so losing it means a"
+          " persistent restore (page cache warm)"
+        )
+    extras = _manager_extras(two, four)
+  if restarts:
+    per_job = [max(p["restored_s"] for p in job) for job in restarts]
+    figs["start_to_restored_s"] = {"value": _median(per_job), "samples": per_job}
+    figs["start_to_restored_s"]["sources"] = _sources(
+      (p["slice"], [p]) for job in restarts for p in job
+    )
+    extras["restart"] = {
+      "ready_s_median": _median(restart_ready(restarts)),
+      "after_ready_s_median": _median(
+        [max(p["restored_s"] - p["ready_s"] for p in job) for job in restarts]
+      ),
+      "steps": sorted({p["step"] for job in restarts for p in job}),
+      "bit_exact": all(p["mismatched_shards"] == 0 for job in restarts for p in job),
+    }
+  else:
+    figs["start_to_restored_s"] = {
+      "value": None,
+      "reason": "no restart job succeeded: " + "; ".join(e for e in restart_errors if e)
+      if restart_errors
+      else "the main job failed, so no restart job ran",
+    }
+  if restart_errors:
+    extras["restart_errors"] = restart_errors
+  return {mt.key: figs[mt.key] for mt in METRICS}, extras
+
+
+def _saves_by_slice(two: list[dict]) -> dict[str, dict]:
+  """Per slice: the timed saves' medians of the max over its processes
+  (CPU: the sum), to tell the primary slice's persistent work from the rest."""
+  out = {}
+  for s in sorted({p["slice"] for p in two}):
+    procs = [p for p in two if p["slice"] == s]
+
+    def med(field, reduce=max, scale=1.0, procs=procs):
+      rows = _per_rep(procs, lambda q: [x[field] * scale for x in q["saves"]], reduce=reduce)
+      return _median(rows)
+
+    out[f"slice {s}"] = {
+      "stall_s": med("stall_s"),
+      "local_s": med("local_s"),
+      "all_s": med("all_s"),
+      "cpu_s": med("cpu_s", reduce=sum),
+      "peak_extra_mib": med("peak_extra_bytes", scale=1 / MIB),
+    }
+  return out
+
+
+def restart_ready(restarts: list[list[dict]]) -> list[float]:
+  """Per restart job: spawn to jax.distributed ready, max over processes."""
+  return [max(p["ready_s"] for p in job) for job in restarts]
+
+
+def _manager_extras(two: list[dict], four: list[dict]) -> dict:
+  def med_max(rows, field):
+    return _median(_per_rep(rows, lambda p: [r[field] for r in p]))
+
+  warmup = [p["warmup_save"] for p in two]
+  extras: dict[str, Any] = {
+    "first_save": {f: max(s[f] for s in warmup) for f in ("stall_s", "local_s", "all_s")}
+    | {"cpu_s": sum(s["cpu_s"] for s in warmup)},
+    "save_maxrss_delta_mib": _median(
+      _per_rep(two, lambda p: [s["maxrss_delta_bytes"] / MIB for s in p["saves"]])
+    ),
+    "bytes_per_process": {
+      "2x2": max(p["bytes"] for p in two),
+      "4x1": max(p["bytes"] for p in four),
+    },
+    "saves_by_slice": _saves_by_slice(two),
+    "restore_breakdown": {},
+    "bit_exact": {},
+    "notes": two[0].get("notes", {}),
+  }
+  for layout, rows in (("2x2", two), ("4x1", four)):
+    for variant in rows[0]["restores"]:
+      recs = [p["restores"][variant] for p in rows]
+      key = f"{layout}/{variant}"
+      extras["restore_breakdown"][key] = {
+        "construct_s": med_max(recs, "construct_s"),
+        "restore_call_s": med_max(recs, "restore_call_s"),
+        "steps": sorted({r["step"] for p in recs for r in p}),
+      }
+      first = [p["first_restores"][variant] for p in rows]
+      timed = [r for p in recs for r in p]
+      extras["restore_breakdown"][key]["first_in_process_total_s"] = max(
+        r["total_s"] for r in first
+      )
+      evicted = [r["evicted_files"] for r in timed + first if r.get("evicted_files") is not None]
+      if evicted:
+        extras["restore_breakdown"][key]["evicted_files"] = max(evicted)
+      extras["bit_exact"][key] = all(r["mismatched_shards"] == 0 for r in timed + first)
+  servers = [p.get("p2p_server") for p in two if p.get("p2p_server")]
+  if servers:
+    extras["p2p_servers"] = servers
+  extras["save_4x1"] = {f: max(p["save"][f] for p in four) for f in ("stall_s", "local_s", "all_s")}
+  return extras
+
+
+# ---- ratios ------------------------------------------------------------------
+def _ratio(a, b):
+  return None if a is None or b is None or b <= 0 else a / b
+
+
+def ratios(raw: dict[str, dict], results: dict[str, dict]) -> dict:
+  out: dict[str, dict] = {}
+  for name in MANAGERS:
+    out[name] = {}
+    for mt in METRICS:
+      v = results[name]["metrics"][mt.key]["value"]
+      r = {"to_raw_bound": _ratio(v, raw[mt.bound]["value"])}
+      for other in (ORBAX_MS, ORBAX_P2P):
+        if other != name:
+          r[f"to_{other}"] = _ratio(v, results[other]["metrics"][mt.key]["value"])
+      out[name][mt.key] = r
+  return out
+
+
+# ---- markdown ----------------------------------------------------------------
+def _fmt(v, unit: str) -> str:
+  if v is None:
+    return "n/a"
+  if unit == "MiB":
+    return f"{v:.1f} MiB"
+  if unit == "cpu-s":
+    return f"{v:.3f} cpu-s"
+  return f"{v:.3f} s"
+
+
+def _x(r) -> str:
+  return "n/a" if r is None else f"{r:.2f}x"
+
+
+def markdown(doc: dict) -> str:
+  cfg = doc["config"]
+  raw, res, rat = doc["raw_bounds"], doc["results"], doc["ratios"]
+  lines = [
+    "# emergency_ckpt vs Orbax emergency managers",
+    "",
+    f"{cfg['mib_per_replica']} MiB float32 per replica; 4 processes x 2 CPU devices;"
+    f" mesh 2x2 = (replica=2, data=4) ({cfg['bytes_per_process']['2x2'] / MIB:.1f} MiB per"
+    f" process), 4x1 = (replica=4, data=2) ({cfg['bytes_per_process']['4x1'] / MIB:.1f} MiB"
+    f" per process). Median of {cfg['reps']} rep(s); per rep the max over processes"
+    " (CPU: the sum). 'vs raw' = figure / raw bound; 'ours / X' = emergency_ckpt / X.",
+    "",
+    "| metric | raw bound | emergency_ckpt | vs raw | orbax_multislice | vs raw"
+    " | orbax_p2p | vs raw | ours / multislice | ours / p2p |",
+    "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+  ]
+  for mt in METRICS:
+    row = [mt.label, _fmt(raw[mt.bound]["value"], mt.unit if mt.unit != "MiB" else "MiB")]
+    for name in MANAGERS:
+      row += [
+        _fmt(res[name]["metrics"][mt.key]["value"], mt.unit),
+        _x(rat[name][mt.key]["to_raw_bound"]),
+      ]
+    row += [_x(rat[OURS][mt.key][f"to_{ORBAX_MS}"]), _x(rat[OURS][mt.key][f"to_{ORBAX_P2P}"])]
+    lines.append("| " + " | ".join(row) + " |")
+  lines += ["", "Raw bounds:"]
+  for key, b in raw.items():
+    lines.append(f"- `{key}` = {b['value']:.4g} {b['unit']}: {b['what']}")
+  lines += ["", "Restore sources and bit-exactness (values include -0.0 and a denormal):"]
+  for name in MANAGERS:
+    for mt in METRICS:
+      fig = res[name]["metrics"][mt.key]
+      if "sources" in fig:
+        srcs = "; ".join(f"{k}: {', '.join(v)}" for k, v in fig["sources"].items())
+        lines.append(f"- {name} / {mt.label}: {srcs}")
+    exact = res[name]["extras"].get("bit_exact")
+    if exact:
+      lines.append(f"- {name} bit-exact: " + ", ".join(f"{k}={v}" for k, v in exact.items()))
+    restart = res[name]["extras"].get("restart")
+    if restart:
+      lines.append(
+        f"- {name} restart jobs: spawn to ready {restart['ready_s_median']:.3f} s, ready to"
+        f" restored {restart['after_ready_s_median']:.3f} s (imports, manager, restore);"
+        f" bit-exact={restart['bit_exact']}"
+      )
+  lines += ["", "Timed saves per slice (stall / durable local / all tiers / CPU / peak extra RAM):"]
+  for name in MANAGERS:
+    by_slice = res[name]["extras"].get("saves_by_slice", {})
+    parts = [
+      f"{k}: {v['stall_s']:.3f} / {v['local_s']:.3f} / {v['all_s']:.3f} s,"
+      f" {v['cpu_s']:.3f} cpu-s, {v['peak_extra_mib']:.1f} MiB"
+      for k, v in by_slice.items()
+    ]
+    if parts:
+      lines.append(f"- {name}: " + "; ".join(parts))
+  lines += ["", "Notes:"]
+  for name in MANAGERS:
+    for mt in METRICS:
+      fig = res[name]["metrics"][mt.key]
+      if fig.get("reason"):
+        lines.append(f"- {name} / {mt.label}: null, {fig['reason']}")
+      elif fig.get("note"):
+        lines.append(f"- {name} / {mt.label}: {fig['note']}")
+    for k, v in res[name]["extras"].get("notes", {}).items():
+      lines.append(f"- {name} {k}: {v}")
+  lines += [
+    "- restore figures time a fresh manager from construction to ready arrays"
+    " (Orbax P2P starts its peer fetch in the constructor), after one untimed"
+    " warm-up round per process (compiles); the JSON splits construct_s and"
+    " restore_call_s and gives first_in_process_total_s. The restart row is"
+    " the cold path end to end.",
+    "- saves: one untimed warm-up save, then timed saves on the same manager;"
+    " every step hits both tiers of every manager (steps are multiples of 1000).",
+  ]
+  return "\n".join(lines) + "\n"

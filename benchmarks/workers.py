@@ -1,0 +1,323 @@
+"""Code that runs inside the benchmark's multi-process jobs (run_job).
+
+Each function takes the JSON args dict and returns this process's JSON
+result; benchmarks/report.py reduces them (per-process max or sum, then the
+median over repetitions). Module-level imports stay light (no Orbax, no
+emergency_ckpt), so a worker's "ready" time is that of a bare JAX job.
+
+Directories (per manager and layout): the simulated host of process i has its
+ramdisk at <shm_root>/<manager>/<layout>/host_<i>; the persistent directory
+is <disk_root>/<manager>/<layout>/persistent.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+
+import jax
+import numpy as np
+
+from benchmarks import adapters
+from benchmarks import measure as m
+from benchmarks import state as st
+from benchmarks.sync import barrier
+
+SPAWN_ENV = "EC_BENCH_SPAWN_T"
+VARIANTS = ("intact", "lose_slice", "persistent_cold")
+
+
+def step_of(rep: int) -> int:
+  """Step of the rep-th save: a multiple of every default save interval
+  (ours: 10 and 100; Orbax multislice: 10 and 1000), so every manager saves
+  both tiers on every step while keeping its default options."""
+  return 1000 * (rep + 1)
+
+
+def progress(msg: str) -> None:
+  if jax.process_index() == 0:
+    print(f"BENCH {msg}", flush=True)
+
+
+def _spawn_time() -> float:
+  return float(os.environ.get(SPAWN_ENV, "nan"))
+
+
+def _paths(args: dict, manager: str, layout: str) -> tuple[str, str, str]:
+  base = os.path.join(args["shm_root"], manager, layout)
+  me = jax.process_index()
+  return (
+    os.path.join(base, f"host_{me}"),
+    os.path.join(base, f"backup_{me}"),
+    os.path.join(args["disk_root"], manager, layout, "persistent"),
+  )
+
+
+def _finish(result: dict) -> dict:
+  """Returns `result` once every process is done. The coordinator (process 0)
+  also waits for the others' result files: when it exits, the coordination
+  service goes away and aborts any process still alive (SIGABRT)."""
+  barrier("finish")
+  out_dir = os.environ.get("EC_TEST_OUT")
+  if jax.process_index() == 0 and out_dir:
+    deadline = time.monotonic() + 60
+    others = [os.path.join(out_dir, f"result_{i}.json") for i in range(1, jax.process_count())]
+    while time.monotonic() < deadline and not all(os.path.exists(p) for p in others):
+      time.sleep(0.01)
+  return result
+
+
+def _has_files(path: str) -> bool:
+  return any(files for _, _, files in os.walk(path))
+
+
+# ---- raw bounds --------------------------------------------------------------
+def raw_bounds(args: dict) -> dict:
+  """Per layout and rep: memcpy, ramdisk write/read, persistent write and
+  cold read of exactly this process's bytes, all processes at once."""
+  ready_s = time.time() - _spawn_time()
+  me = jax.process_index()
+  out: dict = {"pid": me, "ready_s": ready_s, "layouts": {}}
+  for name in st.LAYOUTS:
+    layout = st.make_layout(name, args["mib"])
+    state = st.make_state(layout)
+    parts = st.unique_shards(state)
+    nbytes = sum(p.nbytes for p in parts)
+    staging = np.ones(nbytes, np.uint8)  # preallocated and faulted in
+    readback = np.ones(nbytes, np.uint8)
+    shm_dir = os.path.join(args["shm_root"], "raw", name, f"host_{me}")
+    disk_dir = os.path.join(args["disk_root"], "raw", name)
+    m.reset_dir(shm_dir)
+    os.makedirs(disk_dir, exist_ok=True)
+    shm_file = os.path.join(shm_dir, "raw.bin")
+    disk_file = os.path.join(disk_dir, f"raw_{me}.bin")
+    reps = []
+    progress(f"raw bounds {name}: {args['reps']} reps of {nbytes / 2**20:.1f} MiB per process")
+    for _ in range(args["reps"] + 1):  # the first is a warm-up, dropped
+      r = {}
+      barrier("raw-memcpy")
+      c0, t0 = time.process_time(), m.now()
+      m.memcpy(staging, parts)
+      r["memcpy_s"] = m.now() - t0
+      barrier("raw-write")
+      t0 = m.now()
+      m.write_file(shm_file, parts)
+      r["ramdisk_write_s"] = m.now() - t0
+      r["cpu_memcpy_write_s"] = time.process_time() - c0
+      barrier("raw-read")
+      t0 = m.now()
+      got = m.read_file(shm_file, readback)
+      r["ramdisk_read_s"] = m.now() - t0
+      assert got == nbytes, (got, nbytes)
+      barrier("raw-pwrite")
+      t0 = m.now()
+      m.write_file(disk_file, parts)
+      r["persistent_write_s"] = m.now() - t0
+      m.evict_file(disk_file)
+      barrier("raw-cold")
+      t0 = m.now()
+      got = m.read_file(disk_file, readback)
+      r["persistent_cold_read_s"] = m.now() - t0
+      assert got == nbytes, (got, nbytes)
+      reps.append(r)
+    if not np.array_equal(readback, staging):
+      raise AssertionError("raw read-back differs from the bytes written")
+    out["layouts"][name] = {"slice": layout.slice_index, "bytes": nbytes, "reps": reps[1:]}
+    shutil.rmtree(shm_dir, ignore_errors=True)
+    os.remove(disk_file)
+    del state, parts, staging, readback
+    barrier(f"raw-{name}-done")
+  return _finish(out)
+
+
+# ---- managers ----------------------------------------------------------------
+def _timed_save(adapter: adapters.Adapter, step: int, state, rss_base: int) -> dict:
+  barrier(f"save-{step}")
+  sampler = m.RssSampler().start()
+  maxrss0 = m.maxrss_bytes()
+  c0, t0 = time.process_time(), m.now()
+  saved = adapter.save(step, state)
+  t1 = m.now()
+  adapter.wait_local()
+  t2 = m.now()
+  adapter.wait_all()
+  t3 = m.now()
+  cpu = time.process_time() - c0
+  peak = sampler.stop()
+  if not saved:
+    raise RuntimeError(f"{adapter.name} did not save step {step}")
+  return {
+    "step": step,
+    "stall_s": t1 - t0,
+    "local_s": t2 - t0,
+    "all_s": t3 - t0,
+    "cpu_s": cpu,
+    "peak_extra_bytes": peak - rss_base,
+    "maxrss_delta_bytes": m.maxrss_bytes() - maxrss0,
+  }
+
+
+def _pristine(host: str, backup: str) -> None:
+  shutil.rmtree(host, ignore_errors=True)
+  shutil.copytree(backup, host, symlinks=True)
+
+
+def _timed_restore(
+  args: dict,
+  layout: st.Layout,
+  variant: str,
+  wiped: tuple[int, ...],
+  original,
+) -> dict:
+  """Resets the ramdisks to the saved copies (where a backup exists; the
+  others are never modified by a restore), wipes the `wiped` slices'
+  ramdisks (and evicts the persistent files for 'persistent_cold'), then
+  times a fresh manager from construction to restored, ready arrays."""
+  name = args["manager"]
+  host, backup, persistent = _paths(args, name, layout.name)
+  if os.path.isdir(backup):
+    _pristine(host, backup)
+  if layout.slice_index in wiped:
+    m.reset_dir(host)
+  barrier(f"restore-{variant}-reset")
+  evicted = None
+  if variant == "persistent_cold" and jax.process_index() == 0:
+    evicted = m.evict_tree(persistent)
+  had_local = _has_files(host)
+  barrier(f"restore-{variant}-ready")
+  t0 = m.now()
+  adapter = adapters.make(name, layout, host, persistent)
+  t1 = m.now()
+  restored, step, source = adapter.restore()
+  jax.block_until_ready(restored)
+  t2 = m.now()
+  adapter.close()
+  bad = st.mismatched_shards(restored, layout, original)
+  del restored
+  barrier(f"restore-{variant}-done")
+  return {
+    "variant": variant,
+    "step": int(step),
+    "source": source,
+    "total_s": t2 - t0,
+    "construct_s": t1 - t0,
+    "restore_call_s": t2 - t1,
+    "mismatched_shards": bad,
+    "had_local": had_local,
+    "evicted_files": evicted,
+  }
+
+
+def manager_main(args: dict) -> dict:
+  """Layout 2x2 first (so RSS is measured in a fresh process): a warm-up
+  save then `reps` timed saves on one manager; then an untimed warm-up round
+  and `reps` rounds of three restores (intact, last slice's ramdisks lost,
+  persistent with the page cache evicted), each by a fresh manager; leaves
+  the 2x2 ramdisks holding the newest step for manager_restart. Layout 4x1:
+  one save, then a warm-up and `reps` restores after losing the last slice's
+  ramdisk."""
+  name = args["manager"]
+  if name != adapters.OURS:
+    adapters.orbax_prerequisites()
+  out: dict = {"pid": jax.process_index(), "layouts": {}}
+  out["layouts"]["2x2"] = _main_2x2(args)
+  out["layouts"]["4x1"] = _main_4x1(args)
+  progress(f"{name}: main job done")
+  return _finish(out)
+
+
+def _main_4x1(args: dict) -> dict:
+  name, reps = args["manager"], args["reps"]
+  layout = st.make_layout("4x1", args["mib"])
+  host, backup, persistent = _paths(args, name, layout.name)
+  m.reset_dir(host)
+  state = st.make_state(layout)
+  rec: dict = {"slice": layout.slice_index, "bytes": st.bytes_per_process(state)}
+  progress(f"{name} 4x1: save, then {reps} restores after losing slice {layout.num_slices - 1}")
+  adapter = adapters.make(name, layout, host, persistent)
+  rec["save"] = _timed_save(adapter, step_of(0), state, m.rss_bytes())
+  adapter.close()
+  lost = (layout.num_slices - 1,)
+  if layout.slice_index in lost:  # only the wiped ramdisks need resetting
+    shutil.copytree(host, backup, symlinks=True)
+  barrier("backup4-done")
+  progress(f"{name} 4x1: warm-up restore lose_slice")
+  rec["first_restores"] = {"lose_slice": _timed_restore(args, layout, "lose_slice", lost, state)}
+  rec["restores"] = {"lose_slice": []}
+  for k in range(reps):
+    progress(f"{name} 4x1: restore lose_slice ({k + 1}/{reps})")
+    rec["restores"]["lose_slice"].append(_timed_restore(args, layout, "lose_slice", lost, state))
+  shutil.rmtree(host, ignore_errors=True)
+  shutil.rmtree(backup, ignore_errors=True)
+  barrier("4x1-done")
+  if jax.process_index() == 0:
+    shutil.rmtree(os.path.dirname(persistent), ignore_errors=True)
+  return rec
+
+
+def _main_2x2(args: dict) -> dict:
+  name, reps = args["manager"], args["reps"]
+  layout = st.make_layout("2x2", args["mib"])
+  host, backup, persistent = _paths(args, name, layout.name)
+  m.reset_dir(host)
+  state = st.make_state(layout)
+  rec: dict = {"slice": layout.slice_index, "bytes": st.bytes_per_process(state)}
+  progress(f"{name} 2x2: 1 warm-up + {reps} timed saves")
+  adapter = adapters.make(name, layout, host, persistent)
+  rec["notes"] = dict(adapter.notes)
+  if hasattr(adapter, "bound"):
+    rec["p2p_server"] = adapter.bound
+  barrier("saves-begin")
+  rss_base = m.rss_bytes()
+  saves = [_timed_save(adapter, step_of(k), state, rss_base) for k in range(reps + 1)]
+  adapter.close()
+  rec["rss_base_bytes"] = rss_base
+  rec["warmup_save"], rec["saves"] = saves[0], saves[1:]
+  shutil.copytree(host, backup, symlinks=True)
+  barrier("backup-done")
+  wipes = {"intact": (), "lose_slice": (layout.num_slices - 1,)}
+  wipes["persistent_cold"] = tuple(range(layout.num_slices))
+  # One untimed round first: the first restore in a process also compiles
+  # (broadcast / peer transfer), which would land on whichever variant ran
+  # first. Restart jobs measure that cold path end to end.
+  rec["first_restores"] = {}
+  for variant in VARIANTS:
+    progress(f"{name} 2x2: warm-up restore {variant}")
+    rec["first_restores"][variant] = _timed_restore(args, layout, variant, wipes[variant], state)
+  rec["restores"] = {v: [] for v in VARIANTS}
+  for k in range(reps):
+    for variant in VARIANTS:
+      progress(f"{name} 2x2: restore {variant} ({k + 1}/{reps})")
+      rec["restores"][variant].append(_timed_restore(args, layout, variant, wipes[variant], state))
+  _pristine(host, backup)  # what manager_restart restores
+  shutil.rmtree(backup)
+  barrier("2x2-done")
+  return rec
+
+
+def manager_restart(args: dict) -> dict:
+  """A restarted job: from process spawn (the launcher's timestamp) through
+  imports, jax.distributed init, manager construction and restore of the
+  intact 2x2 ramdisk copies, to restored, ready arrays."""
+  ready_s = time.time() - _spawn_time()
+  name = args["manager"]
+  layout = st.make_layout("2x2", args["mib"])
+  host, _, persistent = _paths(args, name, layout.name)
+  progress(f"{name}: restart job restoring")
+  adapter = adapters.make(name, layout, host, persistent)
+  restored, step, source = adapter.restore()
+  jax.block_until_ready(restored)
+  restored_s = time.time() - _spawn_time()
+  adapter.close()
+  return _finish(
+    {
+      "pid": jax.process_index(),
+      "slice": layout.slice_index,
+      "ready_s": ready_s,
+      "restored_s": restored_s,
+      "step": int(step),
+      "source": source,
+      "mismatched_shards": st.mismatched_shards(restored, layout),
+    }
+  )

@@ -1,0 +1,80 @@
+"""Smoke test of the benchmark: `python -m benchmarks.run --quick` end to end.
+
+It runs every job of the real benchmark at a tiny size (4 MiB, 1 rep) and
+checks the output's shape: every metric for all three managers and every raw
+bound, as positive numbers. A figure may be null only with a reason and only
+where no job failed (a metric a manager cannot provide). No timing
+assertions: the machine is shared.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MANAGERS = ("emergency_ckpt", "orbax_multislice", "orbax_p2p")
+METRICS = (
+  "save_stall_s",
+  "save_durable_local_s",
+  "save_durable_persistent_s",
+  "save_cpu_s",
+  "save_peak_extra_ram_mib",
+  "restore_intact_s",
+  "restore_lose_slice_s",
+  "restore_lose_slice_4x1_s",
+  "restore_persistent_cold_s",
+  "start_to_restored_s",
+)
+
+
+def _positive(v) -> bool:
+  return isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+
+
+def test_quick_benchmark_reports_every_metric(tmp_path):
+  out = tmp_path / "bench"
+  proc = subprocess.run(
+    [sys.executable, "-m", "benchmarks.run", "--quick", "--out", str(out)],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    timeout=400,
+  )
+  assert proc.returncode == 0, proc.stderr[-6000:]
+  assert "[bench" in proc.stderr  # progress lines
+  doc = json.loads((out / "results.json").read_text())
+  assert doc["errors"] == {}, doc["errors"]
+  assert doc["config"]["quick"] and doc["config"]["reps"] == 1
+
+  listed = {m["key"]: m for m in doc["metrics"]}
+  assert set(listed) == set(METRICS)
+  for key, bound in doc["raw_bounds"].items():
+    assert _positive(bound["value"]), (key, bound)
+  for m in listed.values():
+    assert m["raw_bound"] in doc["raw_bounds"], m
+
+  for name in MANAGERS:
+    figures = doc["results"][name]["metrics"]
+    assert set(figures) == set(METRICS), name
+    for key in METRICS:
+      fig = figures[key]
+      if fig["value"] is None:
+        assert name != "emergency_ckpt", (name, key, fig)
+        assert isinstance(fig.get("reason"), str) and fig["reason"], (name, key, fig)
+      else:
+        assert _positive(fig["value"]), (name, key, fig)
+      ratios = doc["ratios"][name][key]
+      assert "to_raw_bound" in ratios, (name, key)
+      if fig["value"] is not None:
+        assert _positive(ratios["to_raw_bound"]), (name, key, ratios)
+  # Our manager restores bit-exactly from every source (values hold -0.0, denormals).
+  exact = doc["results"]["emergency_ckpt"]["extras"]["bit_exact"]
+  assert exact and all(exact.values()), exact
+  assert doc["results"]["emergency_ckpt"]["extras"]["restart"]["bit_exact"]
+
+  table = (out / "results.md").read_text()
+  assert "| metric | raw bound | emergency_ckpt |" in table
+  assert table.strip() in proc.stdout
