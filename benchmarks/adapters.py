@@ -8,6 +8,7 @@ and says so in `notes`.
 
 from __future__ import annotations
 
+import abc
 import os
 import socket
 from typing import Any
@@ -61,27 +62,29 @@ def patch_p2p_loopback() -> None:
   service._get_primary_ip = lambda: (socket.AF_INET, "127.0.0.1")  # noqa: SLF001
 
 
-class Adapter:
+class Adapter(abc.ABC):
   name = ""
   notes: dict[str, str] = {}
 
+  @abc.abstractmethod
   def save(self, step: int, state: Any) -> bool:
-    raise NotImplementedError
+    """Implemented per manager."""
 
+  @abc.abstractmethod
   def wait_local(self) -> None:
     """Blocks until this process's local-tier copy of the last save is durable."""
-    raise NotImplementedError
 
+  @abc.abstractmethod
   def wait_all(self) -> None:
     """Blocks until every tier this process writes is durable."""
-    raise NotImplementedError
 
+  @abc.abstractmethod
   def restore(self) -> tuple[Any, int, str]:
     """(state, step, source) of the newest step."""
-    raise NotImplementedError
 
+  @abc.abstractmethod
   def close(self) -> None:
-    raise NotImplementedError
+    """Implemented per manager."""
 
 
 class Ours(Adapter):

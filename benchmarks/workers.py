@@ -227,13 +227,19 @@ def manager_main(args: dict) -> dict:
   return _finish(out)
 
 
-def _main_4x1(args: dict) -> dict:
-  name, reps = args["manager"], args["reps"]
-  layout = st.make_layout("4x1", args["mib"])
-  host, backup, persistent = _paths(args, name, layout.name)
+def _setup(args: dict, layout_name: str):
+  """(layout, host dir, backup dir, persistent dir, state, record) for one layout."""
+  layout = st.make_layout(layout_name, args["mib"])
+  host, backup, persistent = _paths(args, args["manager"], layout.name)
   m.reset_dir(host)
   state = st.make_state(layout)
   rec: dict = {"slice": layout.slice_index, "bytes": st.bytes_per_process(state)}
+  return layout, host, backup, persistent, state, rec
+
+
+def _main_4x1(args: dict) -> dict:
+  name, reps = args["manager"], args["reps"]
+  layout, host, backup, persistent, state, rec = _setup(args, "4x1")
   progress(f"{name} 4x1: save, then {reps} restores after losing slice {layout.num_slices - 1}")
   adapter = adapters.make(name, layout, host, persistent)
   rec["save"] = _timed_save(adapter, step_of(0), state, m.rss_bytes())
@@ -258,11 +264,7 @@ def _main_4x1(args: dict) -> dict:
 
 def _main_2x2(args: dict) -> dict:
   name, reps = args["manager"], args["reps"]
-  layout = st.make_layout("2x2", args["mib"])
-  host, backup, persistent = _paths(args, name, layout.name)
-  m.reset_dir(host)
-  state = st.make_state(layout)
-  rec: dict = {"slice": layout.slice_index, "bytes": st.bytes_per_process(state)}
+  layout, host, backup, persistent, state, rec = _setup(args, "2x2")
   progress(f"{name} 2x2: 1 warm-up + {reps} timed saves")
   adapter = adapters.make(name, layout, host, persistent)
   rec["notes"] = dict(adapter.notes)
