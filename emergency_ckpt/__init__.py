@@ -11,7 +11,9 @@ from emergency_ckpt.errors import (
   DataStateError,
   EmergencyCheckpointError,
   InvalidOptionsError,
+  MetricsError,
   NoRestorableCheckpointError,
+  ProtectedStepError,
   StateMismatchError,
   StepAlreadyExistsError,
   StepError,
@@ -21,7 +23,7 @@ from emergency_ckpt.errors import (
   TopologyMismatchError,
   UnsafeDirectoryError,
 )
-from emergency_ckpt.manager import CheckpointManager, RestoreResult
+from emergency_ckpt.manager import CheckpointManager, RestoreResult, StepMetadata
 from emergency_ckpt.options import (
   CheckpointManagerOptions,
   LocalTierOptions,
@@ -37,13 +39,16 @@ __all__ = [
   "DataStateError",
   "EmergencyCheckpointError",
   "InvalidOptionsError",
+  "MetricsError",
   "LocalTierOptions",
   "NoRestorableCheckpointError",
+  "ProtectedStepError",
   "PersistentTierOptions",
   "RestoreResult",
   "StateMismatchError",
   "StepAlreadyExistsError",
   "StepError",
+  "StepMetadata",
   "StepNotRestorableError",
   "StorageError",
   "TopologyError",

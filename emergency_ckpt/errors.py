@@ -61,3 +61,11 @@ class UnsafeDirectoryError(EmergencyCheckpointError, PermissionError):
 
 class StorageError(EmergencyCheckpointError, OSError):
   """Raised when the persistent storage fails permanently (names bucket and op)."""
+
+
+class ProtectedStepError(StepError):
+  """delete() refused: the step is the only restorable one (pass force=True)."""
+
+
+class MetricsError(EmergencyCheckpointError, TypeError):
+  """save(metrics=...) is not a dict of names to finite numbers."""

@@ -10,18 +10,25 @@ import concurrent.futures
 import dataclasses
 import json
 import logging
+import math
+import os
 import threading
+import time
 from typing import Any
 
 import jax
 from etils import epath
 
-from emergency_ckpt import peer, policies, restore_plan
+from emergency_ckpt import peer, persistent_tier, policies, restore_plan
 from emergency_ckpt import shards as shards_lib
 from emergency_ckpt.errors import (
   CorruptCheckpointError,
+  DataStateError,
   EmergencyCheckpointError,
+  InvalidOptionsError,
+  MetricsError,
   NoRestorableCheckpointError,
+  ProtectedStepError,
   StateMismatchError,
   StepAlreadyExistsError,
   StepError,
@@ -31,9 +38,14 @@ from emergency_ckpt.errors import (
 from emergency_ckpt.local_tier import LocalTier, WriteResult
 from emergency_ckpt.options import CheckpointManagerOptions
 from emergency_ckpt.persistent_tier import PersistentTier
-from emergency_ckpt.state_store import StateStore, validate_data_state
+from emergency_ckpt.state_store import StateStore, decode_data_state, encode_data_state
 from emergency_ckpt.storage import atomic_write
-from emergency_ckpt.topology import Collectives, init_orbax_multihost, topology_from_mesh
+from emergency_ckpt.topology import (
+  Collectives,
+  init_orbax_multihost,
+  reached_preemption,
+  topology_from_mesh,
+)
 
 logger = logging.getLogger("emergency_ckpt")
 
@@ -44,10 +56,35 @@ class RestoreResult:
 
   step: int
   state: Any
-  data_state: dict | None
-  """This process's own data_state of `step`."""
+  data_state: Any
+  """This process's own data_state of `step` (what get_state() returned, if
+  an object was saved); None if the step was saved by another process count."""
   source: str
   """Where this process's slice got the tensors: local, peer or persistent."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StepMetadata:
+  """What metadata(step) knows of a saved step; the same on every process."""
+
+  step: int
+  restorable: bool
+  """Its state is committed and some tier holds its tensors."""
+  local_slices: tuple[int, ...]
+  """Slices every process of which has a local copy (by listing)."""
+  persistent: bool
+  """The persistent tier holds a finalized copy."""
+  state_committed: bool
+  local_bytes: int
+  """Bytes of every process's local copy, summed."""
+  persistent_bytes: int | None
+  """Bytes of the persistent copy (None if there is none)."""
+  topology: dict | None
+  """The topology it was saved with (slices, processes, mesh)."""
+  saved_at: float | None
+  """Unix time its state was committed."""
+  metrics: dict
+  """What save(metrics=...) got for it."""
 
 
 class CheckpointManager:
@@ -73,7 +110,11 @@ class CheckpointManager:
       root / "state", process_index=topo.process_index, process_count=topo.process_count
     )
     self._persistent = PersistentTier(
-      options.persistent, topology=topo, mesh=mesh, barrier_prefix=f"ec_{self._run_id}"
+      options.persistent,
+      topology=topo,
+      mesh=mesh,
+      barrier_prefix=f"ec_{self._run_id}",
+      on_finalized=self._persistent_finalized,
     )
     self._state_writer = concurrent.futures.ThreadPoolExecutor(1, "ec-state-write")
     self._committer = concurrent.futures.ThreadPoolExecutor(1, "ec-state-commit")
@@ -81,6 +122,9 @@ class CheckpointManager:
     self._pending: list[concurrent.futures.Future] = []
     self._errors: list[BaseException] = []
     self._last_step: int | None = None
+    self._metrics: dict[int, dict] = {}
+    self._persistent_final: set[int] = set()
+    self._info: dict[int, dict] = {}
     self._closed = False
     if topo.is_primary_process:
       root.mkdir(parents=True, exist_ok=True)
@@ -116,13 +160,25 @@ class CheckpointManager:
 
   # ---- save ----------------------------------------------------------------
   def save(
-    self, step: int, state: Any, data_state: dict | None = None, *, force: bool = False
+    self,
+    step: int,
+    state: Any,
+    data_state: Any = None,
+    *,
+    metrics: dict[str, float] | None = None,
+    force: bool = False,
   ) -> bool:
     """Saves `step` to the tiers whose interval it hits (both if `force`).
 
+    `data_state`: this process's non-tensor state: a dict of JSON values, or
+    an object with get_state() (e.g. a grain iterator; bytes states are kept
+    losslessly). `metrics`: numbers that rank steps for keep_best and
+    best_step() (the primary process's values are stored).
+
     Called by: every process, with the same steps. Blocks only on the host
     copy of this process's shards (plus, on the primary slice at persistent
-    steps, Orbax's own host copy); writes finish in the background. No
+    steps, Orbax's own host copy, and the previous upload if it still runs:
+    at most one is in flight); writes finish in the background. No
     collective. Returns True if any tier saved.
     """
     self._check_open()
@@ -142,9 +198,20 @@ class CheckpointManager:
     )
     if not decision.any:
       return False
-    validate_data_state(data_state)
+    t0 = time.monotonic()
+    data_state = encode_data_state(data_state)
+    metrics = _check_metrics(metrics)
     paths, leaves, _ = shards_lib.leaf_paths(state)
     self._raise_background_errors()
+    self._metrics[step] = metrics
+    self._info[step] = {
+      "topology": self._topology.fingerprint(),
+      "bytes": int(sum(getattr(x, "nbytes", 0) for x in leaves)),
+      "saved_at": time.time(),
+      "tiers": [
+        t for t, on in (("local", decision.local), ("persistent", decision.persistent)) if on
+      ],
+    }
     if decision.local:
       staged = self._local.stage(step, paths, leaves)
       logger.debug("%s step %d staged in %.3fs", self._topology.log_prefix(), step, staged.stall_s)
@@ -156,6 +223,12 @@ class CheckpointManager:
     if decision.persistent and self._topology.is_primary_slice:
       self._persistent.save(step, state)
     self._last_step = step
+    logger.debug(
+      "%s save(step=%d) returned after %.4fs",
+      self._topology.log_prefix(),
+      step,
+      time.monotonic() - t0,
+    )
     return True
 
   def _after_local(self, result: WriteResult, data_state: dict | None) -> None:
@@ -174,25 +247,76 @@ class CheckpointManager:
 
   def _commit(self, write: concurrent.futures.Future, step: int) -> None:
     write.result()
-    if self._state.commit(step, timeout_s=self._options.state_commit_timeout_s):
+    committed = self._state.commit(
+      step,
+      timeout_s=self._options.state_commit_timeout_s,
+      metrics=self._metrics.get(step),
+      info=self._info.get(step),
+    )
+    if committed:
       self._apply_state_retention()
+      if step in self._persistent_final:
+        self._apply_persistent_retention()
+
+  def _metrics_of(self, steps) -> dict[int, dict]:
+    """Metrics of `steps`: from save() calls, else from their COMMIT records."""
+    if self._options.best_metric is None:
+      return {}
+    out = {}
+    for step in steps:
+      if step not in self._metrics:
+        record = self._state.record(step)
+        if record is None:
+          continue  # not committed (yet): unknown, never counted as best
+        self._metrics[step] = record.get("metrics") or {}
+      out[step] = self._metrics[step]
+    return out
 
   def _apply_state_retention(self) -> None:
     listed = self._state.listed_steps()
+    committed = self._state.committed_steps()
     keep = policies.keep_state(
       listed,
-      self._state.committed_steps(),
+      committed,
       self._persistent.steps(),
-      local_keep=self._options.local.max_to_keep,
+      local_keep=self._options.retention("local"),
       persistent_interval=self._options.persistent.save_interval_steps,
+      metrics=self._metrics_of(committed),
     )
     for step in sorted(set(listed) - keep):
       self._state.delete(step)
 
+  def _persistent_finalized(self, step: int) -> None:
+    # Orbax's finalize thread, on every primary-slice process.
+    self._persistent_final.add(step)
+    if self._topology.is_primary_process:
+      self._track(self._committer.submit(self._apply_persistent_retention))
+
+  def _apply_persistent_retention(self) -> None:
+    """Deletes persistent steps the rules drop; never the newest restorable
+    one (newest finalized step with committed state) nor anything newer."""
+    steps = self._persistent.steps()
+    committed = set(self._state.committed_steps())
+    restorable = [s for s in steps if s in committed]
+    if not restorable:
+      return
+    protected = {s for s in steps if s >= restorable[-1]}
+    keep = policies.retain(
+      steps,
+      self._options.retention("persistent"),
+      metrics=self._metrics_of(restorable),
+      protected=protected,
+    )
+    for step in sorted(set(steps) - keep):
+      logger.info("%s retention deletes persistent step %d", self._topology.log_prefix(), step)
+      self._persistent.delete(step)
+
   def _apply_local_retention(self) -> None:
     steps = self._local.steps()
     committed = next((s for s in reversed(steps) if self._state.is_committed(s)), None)
-    keep = policies.keep_local(steps, self._options.local.max_to_keep, committed)
+    keep = policies.keep_local(
+      steps, self._options.retention("local"), committed, self._metrics_of(steps)
+    )
     if len(keep) > self._options.local.max_to_keep + 2:
       logger.warning(
         "%s keeping %d local steps (max_to_keep=%d): their state is not committed yet;"
@@ -228,13 +352,14 @@ class CheckpointManager:
     persistent upload). Called by: every process. Re-raises the first error
     of background work."""
     self._local.wait()
+    # Orbax's finalize queues persistent retention: wait for it first.
+    self._persistent.wait_until_finished()
     while True:
       with self._lock:
         pending = [f for f in self._pending if not f.done()]
       if not pending:
         break
       concurrent.futures.wait(pending)
-    self._persistent.wait_until_finished()
     self._raise_background_errors()
 
   # ---- inventory and agreement ---------------------------------------------
@@ -266,9 +391,12 @@ class CheckpointManager:
     return steps[-1] if steps else None
 
   # ---- restore -------------------------------------------------------------
-  def restore(self, abstract_state: Any, step: int | None = None) -> RestoreResult:
+  def restore(
+    self, abstract_state: Any, step: int | None = None, *, data_state: Any = None
+  ) -> RestoreResult:
     """Restores the newest restorable step (or `step`) onto abstract_state's
-    shardings.
+    shardings. If `data_state` is an object with set_state() (the iterator
+    whose get_state() was saved), its state is set too.
 
     Called by: every process. Blocks on: one inventory exchange, reading this
     process's local copy, one status exchange per tried step, and then either
@@ -276,6 +404,13 @@ class CheckpointManager:
     its copy) or a persistent read (no slice has it).
     """
     self._check_open()
+    data_state_target = data_state
+    if data_state_target is not None and not callable(getattr(data_state, "set_state", None)):
+      raise DataStateError(
+        f"restore(data_state=...) takes an object with set_state() (the iterator to"
+        f" reposition), got a {type(data_state).__name__}; the saved value is in"
+        " result.data_state."
+      )
     self.wait_until_finished()
     topo = self._topology
     paths, abstract, treedef = shards_lib.leaf_paths(abstract_state)
@@ -304,7 +439,10 @@ class CheckpointManager:
       self._last_step = plan.step
       source = plan.sources[topo.slice_index]
       logger.info("%s restored step %d from %s", topo.log_prefix(), plan.step, source)
-      return RestoreResult(plan.step, state, data_state, source)
+      saved = decode_data_state(data_state)
+      if data_state_target is not None and saved is not None:
+        data_state_target.set_state(saved)
+      return RestoreResult(plan.step, state, saved, source)
     dirs = (
       f"local {self._local.directory} (per process), persistent"
       f" {self._options.persistent.directory}"
@@ -372,6 +510,115 @@ class CheckpointManager:
       return jax.tree_util.tree_unflatten(treedef, arrays)
     return self._persistent.restore(plan.step, abstract_state)
 
+  # ---- preemption, deletion, metadata ---------------------------------------
+  def reached_preemption(self, step: int) -> bool:
+    """True on every process at the same step once any process got a
+    preemption notice (SIGTERM): then save(step, ..., force=True),
+    wait_until_finished() and exit. Called by: every process, every step
+    (JAX's preemption sync service; no extra collective)."""
+    return reached_preemption(step)
+
+  def _from_primary(self, name: str, fn) -> Any:
+    """fn() run by the primary process, its JSON result given to all."""
+    value = fn() if self._topology.is_primary_process else None
+    got = self._collectives.exchange(name, value)
+    return got[self._topology.primary_process]
+
+  def best_step(self) -> int | None:
+    """The restorable step with the best `best_metric` (ties: the newest);
+    None if no restorable step has it. Called by: every process (two
+    exchanges); every process gets the same answer."""
+    self._check_open()
+    metric = self._options.best_metric
+    if metric is None:
+      raise InvalidOptionsError(
+        "best_step() needs best_metric in CheckpointManagerOptions (the"
+        " save(metrics=...) key that ranks steps) and best_mode (min or max)."
+      )
+    steps = self.all_steps()
+    ranked = self._from_primary(
+      "best_step",
+      lambda: policies.best_steps(self._metrics_of(steps), metric, self._options.best_mode, n=1),
+    )
+    return ranked[0] if ranked else None
+
+  def delete(self, step: int, *, force: bool = False) -> None:
+    """Deletes `step` from every tier: each process's local copy, the
+    persistent copy and its state. Refuses (ProtectedStepError) to delete the
+    only restorable step unless `force`. A step becomes unrestorable before
+    any of its data goes (COMMIT and finalization markers are removed first).
+
+    Called by: every process. Blocks on background saves, one inventory
+    exchange and a final barrier.
+    """
+    self._check_open()
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+      raise StepError(f"step must be an integer >= 0, got {step!r}.")
+    self.wait_until_finished()
+    restorable = self.all_steps()
+    if restorable == [step] and not force:
+      raise ProtectedStepError(
+        f"step {step} is the only restorable step; deleting it leaves nothing to"
+        " restore. Save a newer step first, or pass force=True."
+      )
+    with self._lock:
+      if self._topology.is_primary_process:
+        self._state.delete(step)  # unrestorable from here on
+        self._persistent.delete(step)
+      self._collectives.barrier(f"delete_{step}_state")
+      self._local.delete(step)
+      self._metrics.pop(step, None)
+    self._collectives.barrier(f"delete_{step}")
+    logger.info("%s deleted step %d", self._topology.log_prefix(), step)
+
+  def metadata(self, step: int) -> StepMetadata:
+    """Which tiers hold `step`, its size, the topology it was saved with, its
+    save time and metrics. Called by: every process (one exchange); every
+    process gets the same answer. Raises StepError if no tier has it."""
+    self._check_open()
+    topo = self._topology
+    mine = {"local": None}
+    if step in self._local.steps():
+      d = self._local.step_dir(step)
+      try:
+        mine["local"] = sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d))
+      except OSError:  # deleted meanwhile
+        mine["local"] = None
+    if topo.is_primary_process:
+      record = self._state.record(step)
+      committed = self._state.is_committed(step)
+      mine["primary"] = {
+        "persistent_bytes": persistent_tier.step_bytes(self._persistent.directory, step)
+        if step in self._persistent.steps()
+        else None,
+        "committed": committed,
+        "record": record,
+      }
+    got = self._collectives.exchange(f"metadata_{step}", mine)
+    primary = got[topo.primary_process]["primary"]
+    local_slices = tuple(
+      s
+      for s, procs in enumerate(topo.slice_processes)
+      if all(got[p]["local"] is not None for p in procs)
+    )
+    record = primary["record"] or {}
+    info = record.get("info") or {}
+    persistent = primary["persistent_bytes"] is not None
+    if not local_slices and not persistent and not record:
+      raise StepError(f"step {step} is in no tier; all_steps() lists the restorable steps.")
+    return StepMetadata(
+      step=step,
+      restorable=primary["committed"] and (bool(local_slices) or persistent),
+      local_slices=local_slices,
+      persistent=persistent,
+      state_committed=primary["committed"],
+      local_bytes=sum(v["local"] or 0 for v in got.values()),
+      persistent_bytes=primary["persistent_bytes"],
+      topology=info.get("topology"),
+      saved_at=info.get("saved_at", record.get("committed_at")),
+      metrics=record.get("metrics") or {},
+    )
+
   # ---- lifecycle -----------------------------------------------------------
   def _check_open(self) -> None:
     if self._closed:
@@ -397,6 +644,23 @@ class CheckpointManager:
     self.close()
 
 
+def _check_metrics(metrics: Any) -> dict:
+  if metrics is None:
+    return {}
+  if not isinstance(metrics, dict):
+    raise MetricsError(f"metrics must be a dict of name -> number, got a {type(metrics).__name__}.")
+  out = {}
+  for k, v in metrics.items():
+    if not isinstance(k, str):
+      raise MetricsError(f"metrics key {k!r} must be a str.")
+    if hasattr(v, "item") and callable(v.item):  # numpy / jax scalars
+      v = v.item()
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+      raise MetricsError(f"metrics[{k!r}]={v!r} must be a finite number.")
+    out[k] = float(v)
+  return out
+
+
 def _without_peer(cand: restore_plan.Candidate, num_slices: int) -> restore_plan.Candidate:
   """Local copies count only if every slice has one (no peer can serve)."""
   if len(cand.local_slices) == num_slices:
@@ -404,4 +668,4 @@ def _without_peer(cand: restore_plan.Candidate, num_slices: int) -> restore_plan
   return restore_plan.Candidate(cand.step, (), cand.in_persistent)
 
 
-__all__ = ["CheckpointManager", "RestoreResult"]
+__all__ = ["CheckpointManager", "RestoreResult", "StepMetadata"]

@@ -27,6 +27,14 @@ def _positive_int(value, name: str) -> None:
   )
 
 
+def _optional_positive_int(value, name: str) -> None:
+  if value is not None:
+    _positive_int(value, name)
+
+
+BEST_MODES = ("min", "max")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LocalTierOptions:
   """Frequent saves of every process's own shards to a node-local ramdisk."""
@@ -44,6 +52,15 @@ class LocalTierOptions:
   newest is written; the newest step with a committed state marker is always
   kept as well, whatever this says."""
 
+  keep_period: int | None = None
+  """Also keep every step divisible by this, forever (until deleted by hand or
+  `emergency-ckpt gc`). None: off. Ramdisks are small: prefer this on the
+  persistent tier."""
+
+  keep_best: int | None = None
+  """Also keep the `keep_best` best steps by the manager's `best_metric` (the
+  value passed to save(metrics=...)). None: off."""
+
   staging_buffers: int = 1
   """Host staging buffers (each the size of this process's shards). With 1,
   extra host RAM stays ~1x the bytes; a save that arrives while the previous
@@ -60,6 +77,8 @@ class LocalTierOptions:
     )
     _positive_int(self.save_interval_steps, "local.save_interval_steps")
     _positive_int(self.max_to_keep, "local.max_to_keep")
+    _optional_positive_int(self.keep_period, "local.keep_period")
+    _optional_positive_int(self.keep_best, "local.keep_best")
     _positive_int(self.staging_buffers, "local.staging_buffers")
 
 
@@ -76,7 +95,16 @@ class PersistentTierOptions:
   bandwidth, so the default is 10x rarer than the local tier."""
 
   max_to_keep: int | None = 3
-  """Persistent steps kept (newest first); None keeps all."""
+  """Persistent steps kept (newest first); None keeps all. The newest
+  restorable step is never deleted, whatever this says."""
+
+  keep_period: int | None = None
+  """Also keep every step divisible by this, forever (e.g. 1000 for an archive
+  of every 1000th step). None: off."""
+
+  keep_best: int | None = None
+  """Also keep the `keep_best` best steps by the manager's `best_metric`.
+  None: off."""
 
   def __post_init__(self):
     _require(
@@ -86,6 +114,8 @@ class PersistentTierOptions:
     _positive_int(self.save_interval_steps, "persistent.save_interval_steps")
     if self.max_to_keep is not None:
       _positive_int(self.max_to_keep, "persistent.max_to_keep")
+    _optional_positive_int(self.keep_period, "persistent.keep_period")
+    _optional_positive_int(self.keep_best, "persistent.keep_best")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -115,6 +145,14 @@ class CheckpointManagerOptions:
   """How long the primary waits for every process's JSON of a step before it
   gives up committing that step (the step then stays unrestorable)."""
 
+  best_metric: str | None = None
+  """Key of save(metrics={...}) that ranks steps for keep_best and
+  best_step(), e.g. "eval_loss". None: no ranking."""
+
+  best_mode: str = "min"
+  """"min" if smaller best_metric is better (a loss), "max" if larger is (an
+  accuracy)."""
+
   def __post_init__(self):
     _require(
       isinstance(self.local, LocalTierOptions),
@@ -135,12 +173,40 @@ class CheckpointManagerOptions:
         f"run_id={self.run_id!r} must be 1-128 characters of letters, digits,"
         " '.', '_' or '-', starting with a letter or digit.",
       )
+    _require(
+      self.best_metric is None or (isinstance(self.best_metric, str) and bool(self.best_metric)),
+      f"best_metric must be a non-empty metric name or None, got {self.best_metric!r}.",
+    )
+    _require(
+      self.best_mode in BEST_MODES,
+      f"best_mode must be 'min' or 'max', got {self.best_mode!r}.",
+    )
+    for tier in ("local", "persistent"):
+      _require(
+        getattr(self, tier).keep_best is None or self.best_metric is not None,
+        f"{tier}.keep_best={getattr(self, tier).keep_best} needs best_metric: name the"
+        " save(metrics=...) key that ranks steps (e.g. best_metric: eval_loss).",
+      )
     for name in ("collective_timeout_s", "state_commit_timeout_s"):
       value = getattr(self, name)
       _require(
         isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0,
         f"{name} must be a number > 0, got {value!r}.",
       )
+
+  def retention(self, tier: str):
+    """The retention rules of `tier` ("local" or "persistent") as a
+    policies.Retention."""
+    from emergency_ckpt.policies import Retention  # noqa: PLC0415 - avoids a cycle
+
+    t = getattr(self, tier)
+    return Retention(
+      max_to_keep=t.max_to_keep,
+      keep_period=t.keep_period,
+      keep_best=t.keep_best,
+      best_metric=self.best_metric,
+      best_mode=self.best_mode,
+    )
 
   @property
   def effective_run_id(self) -> str:

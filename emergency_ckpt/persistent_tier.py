@@ -14,20 +14,101 @@ GCS is the bottleneck of this tier, unlike the ramdisk tier.
 from __future__ import annotations
 
 import logging
+import os
+import time
+import uuid
+from collections.abc import Callable
 from typing import Any
 
 import jax
 from etils import epath
 from jax.sharding import Mesh, NamedSharding
 
+from emergency_ckpt import failpoints
 from emergency_ckpt.errors import TopologyError
 from emergency_ckpt.options import PersistentTierOptions
-from emergency_ckpt.storage import check_bucket, forget_listings
+from emergency_ckpt.storage import check_bucket, forget_listings, is_gcs
 from emergency_ckpt.topology import Topology
 
 logger = logging.getLogger("emergency_ckpt")
 
 ITEM = "default"
+GCS_COMMIT_FILE = "commit_success.txt"  # Orbax's finalization marker on GCS
+DELETING_PREFIX = ".deleting-"
+
+
+def _is_finalized(step_dir: epath.Path) -> bool:
+  """Orbax's rule: on GCS a step is final once its commit file exists; on a
+  filesystem once it was renamed from its temporary name."""
+  if is_gcs(step_dir):
+    return (step_dir / GCS_COMMIT_FILE).exists()
+  return step_dir.name.isdigit()
+
+
+def list_steps(directory: epath.PathLike) -> list[int]:
+  """Finalized steps under an Orbax tensors/ directory. Any process may call it."""
+  directory = epath.Path(directory)
+  forget_listings(directory)  # other processes save and delete steps here
+  if not directory.exists():
+    return []
+  return sorted(_ocp().path.step.checkpoint_steps(directory))
+
+
+def delete_step(directory: epath.PathLike, step: int) -> None:
+  """Deletes one persistent step so that no listing ever sees a half-deleted
+  step as finalized: on GCS the commit file goes first, on a filesystem the
+  folder is renamed out of the step namespace first. Called by: one process."""
+  step_dir = epath.Path(directory) / str(step)
+  forget_listings(step_dir)
+  if not step_dir.exists():
+    return
+  if is_gcs(step_dir):
+    marker = step_dir / GCS_COMMIT_FILE
+    if marker.exists():
+      marker.unlink()
+    step_dir.rmtree()
+    return
+  doomed = step_dir.parent / f"{DELETING_PREFIX}{step}-{uuid.uuid4().hex[:8]}"
+  os.rename(os.fspath(step_dir), os.fspath(doomed))
+  doomed.rmtree()
+
+
+def step_bytes(directory: epath.PathLike, step: int) -> int | None:
+  """Total size of a persistent step's files, or None if it is absent."""
+  step_dir = epath.Path(directory) / str(step)
+  forget_listings(step_dir)
+  if not step_dir.exists():
+    return None
+  total = 0
+  for root, _, files in step_dir.walk():
+    for name in files:
+      total += (root / name).stat().length
+  return total
+
+
+def cleanup_unfinalized(directory: epath.PathLike) -> list[str]:
+  """Removes what crashed saves and deletions left under tensors/: step
+  folders Orbax never finalized, its temporary folders, and half-done
+  deletions. Finalized steps are never touched. Called by: the primary
+  process, before any save of this job. Returns the names removed."""
+  directory = epath.Path(directory)
+  forget_listings(directory)
+  if not directory.exists():
+    return []
+  removed = []
+  for entry in directory.iterdir():
+    name = entry.name
+    partial = (
+      name.startswith(DELETING_PREFIX)
+      or ".orbax-checkpoint-tmp" in name
+      or (name.isdigit() and entry.is_dir() and not _is_finalized(entry))
+    )
+    if partial:
+      entry.rmtree() if entry.is_dir() else entry.unlink()
+      removed.append(name)
+  if removed:
+    logger.warning("removed partial persistent saves left by a crash: %s", sorted(removed))
+  return removed
 
 
 def _ocp():
@@ -68,16 +149,27 @@ class PersistentTier:
   """Orbax on the persistent directory's tensors/ folder."""
 
   def __init__(
-    self, options: PersistentTierOptions, *, topology: Topology, mesh: Mesh, barrier_prefix: str
+    self,
+    options: PersistentTierOptions,
+    *,
+    topology: Topology,
+    mesh: Mesh,
+    barrier_prefix: str,
+    on_finalized: Callable[[int], None] | None = None,
   ):
     self._options = options
     self._topology = topology
     self._mesh = mesh
     self.directory = epath.Path(options.directory) / "tensors"
     self._manager = None
+    self._on_finalized = on_finalized
+    self._saving_step: int | None = None
     # Every process, before anything waits on another: a missing bucket fails
     # each of them at once, naming it (on GCS; no-op elsewhere).
     check_bucket(options.directory, "opening the persistent directory")
+    if topology.is_primary_process:
+      # Before this job's first save: Orbax's first save barriers with us.
+      cleanup_unfinalized(self.directory)
     if topology.is_primary_slice:
       ocp = _ocp()
       procs = set(topology.slice_processes[0])
@@ -102,28 +194,63 @@ class PersistentTier:
           multiprocessing_options=mp, type_handler_registry=registry
         ),
         options=ocp.CheckpointManagerOptions(
-          max_to_keep=options.max_to_keep,
+          max_to_keep=None,  # retention is the manager's (policies.retain)
           enable_async_checkpointing=True,
+          async_options=ocp.AsyncOptions(post_finalization_callback=self._finalized),
           multiprocessing_options=mp,
           create=False,
         ),
       )
 
+  def _finalized(self) -> None:
+    # Orbax's finalize thread, on every primary-slice process, once the step
+    # is final (its commit file or rename done).
+    step = self._saving_step
+    failpoints.hit("persistent.after_finalize", step)
+    if self._on_finalized is not None and step is not None:
+      self._on_finalized(step)
+
   def steps(self) -> list[int]:
     """Committed (finalized) steps. Any process may call it."""
-    ocp = _ocp()
-    forget_listings(self.directory)  # other processes save and delete steps here
-    if not self.directory.exists():
-      return []
-    return sorted(ocp.path.step.checkpoint_steps(self.directory))
+    return list_steps(self.directory)
+
+  def busy(self) -> bool:
+    """True while this process's previous upload is still running."""
+    return self._manager is not None and self._manager.is_saving_in_progress()
 
   def save(self, step: int, tree: Any) -> None:
     """Starts an async save. Called by: every process of the primary slice.
-    Blocks on the host copy (and on a previous persistent save still running)."""
+
+    Blocks on Orbax's host copy of the shards, and, if the previous upload is
+    still running, on that upload: at most ONE upload is in flight. Waiting
+    (rather than skipping this save) needs no agreement between the primary
+    slice's processes (a skip decided per process would split them across
+    Orbax's barriers) and keeps the persistent tier's promised interval; a
+    warning says how long it waited."""
     ocp = _ocp()
     assert self._manager is not None, "only the primary slice saves persistently"
     check_replicated(tree, self._topology.replica_axis_name)
+    failpoints.hit("persistent.before_save", step)
+    if self.busy():
+      t0 = time.monotonic()
+      previous = self._saving_step
+      self._manager.wait_until_finished()
+      logger.warning(
+        "%s persistent save of step %d waited %.1fs for the upload of step %s (at most one"
+        " upload is in flight): the bucket is slower than persistent.save_interval_steps"
+        " allows; raise the interval or check the bucket's throughput.",
+        self._topology.log_prefix(),
+        step,
+        time.monotonic() - t0,
+        previous,
+      )
+    self._saving_step = step
     self._manager.save(step, args=ocp.args.PyTreeSave(tree))
+    failpoints.hit("persistent.after_save_call", step)
+
+  def delete(self, step: int) -> None:
+    """Deletes `step` (finalization marker first). Called by: the primary process."""
+    delete_step(self.directory, step)
 
   def restore(self, step: int, abstract_tree: Any) -> Any:
     """Reads `step` onto abstract_tree's shardings. Called by: every process."""

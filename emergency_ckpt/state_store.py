@@ -12,6 +12,7 @@ rename on filesystems, a single-object upload on GCS.
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import math
@@ -74,6 +75,45 @@ def validate_data_state(data_state: Any) -> None:
     )
 
 
+OBJECT_KEY = "__ec_get_state__"
+
+
+def encode_data_state(source: Any) -> dict | None:
+  """What save(data_state=...) stores: a dict (or None) as it is; for an
+  object with get_state() (a grain iterator, say), its state, wrapped so
+  that bytes survive JSON. Raises DataStateError naming what cannot be stored."""
+  if source is None or isinstance(source, dict):
+    validate_data_state(source)
+    return source
+  get_state = getattr(source, "get_state", None)
+  if not callable(get_state):
+    raise DataStateError(
+      f"data_state must be a dict of JSON values, None, or an object with"
+      f" get_state()/set_state() (like a grain iterator); got a {type(source).__name__}."
+    )
+  value = get_state()
+  if isinstance(value, (bytes, bytearray)):
+    return {OBJECT_KEY: {"bytes_b64": base64.b64encode(bytes(value)).decode()}}
+  bad = _find_bad(value, f"{type(source).__name__}.get_state()")
+  if bad:
+    raise DataStateError(
+      f"data_state is not JSON-serialisable at {bad}. Return str, int, float,"
+      " bool, None, list, dict or bytes from get_state()."
+    )
+  return {OBJECT_KEY: {"json": value}}
+
+
+def decode_data_state(stored: Any) -> Any:
+  """Inverse of encode_data_state: an object's state comes back as get_state()
+  returned it (bytes included); a dict as it was saved."""
+  if isinstance(stored, dict) and set(stored) == {OBJECT_KEY}:
+    wrapped = stored[OBJECT_KEY]
+    if "bytes_b64" in wrapped:
+      return base64.b64decode(wrapped["bytes_b64"])
+    return wrapped["json"]
+  return stored
+
+
 def _canonical(data_state: Any) -> bytes:
   return json.dumps(data_state, sort_keys=True, separators=(",", ":")).encode()
 
@@ -112,9 +152,20 @@ class StateStore:
     present = {p.name for p in d.iterdir()} if d.exists() else set()
     return [p for p in range(count) if file_name(p, count) not in present]
 
-  def commit(self, step: int, *, timeout_s: float, poll_s: float = 0.05) -> bool:
+  def commit(
+    self,
+    step: int,
+    *,
+    timeout_s: float,
+    poll_s: float = 0.05,
+    metrics: dict | None = None,
+    info: dict | None = None,
+  ) -> bool:
     """Writes COMMIT once every process's file exists. Called by: the primary
-    process only. Blocks (polling) up to `timeout_s`; False if it gave up."""
+    process only. Blocks (polling) up to `timeout_s`; False if it gave up.
+
+    The COMMIT record also holds the step's `metrics` (for keep_best and
+    best_step) and `info` (topology, bytes, save time) for metadata()."""
     deadline = time.monotonic() + timeout_s
     while True:
       missing = self.missing(step)
@@ -138,6 +189,8 @@ class StateStore:
       "process_count": self._n,
       "files": [file_name(p, self._n) for p in range(self._n)],
       "committed_at": time.time(),
+      "metrics": metrics or {},
+      "info": info or {},
     }
     atomic_write(self.step_dir(step) / COMMIT, json.dumps(marker).encode())
     return True
@@ -149,6 +202,11 @@ class StateStore:
       return doc if doc.get("format") == FORMAT and doc.get("step") == step else None
     except (OSError, ValueError):
       return None
+
+  def record(self, step: int) -> dict | None:
+    """The COMMIT record of `step` (metrics, info, committed_at), or None if
+    the step has no valid COMMIT."""
+    return self._marker(step)
 
   def saved_process_count(self, step: int) -> int | None:
     """How many processes saved `step` (from its COMMIT), or None if uncommitted."""

@@ -241,3 +241,16 @@ def init_orbax_multihost() -> None:
     multihost.initialize_runtime_to_distributed_ids()
   if not multihost.is_distributed_to_device_ids_initialized():
     multihost.initialize_distributed_to_device_ids()
+
+
+def reached_preemption(step: int) -> bool:
+  """True on every process at the same step once any process got a
+  preemption notice (SIGTERM), through JAX's preemption sync service. Called
+  by: every process, at every step (the service agrees on the step after the
+  largest one any process had reached). False in a single-process job."""
+  from jax.experimental import multihost_utils  # noqa: PLC0415
+
+  try:
+    return bool(multihost_utils.reached_preemption_sync_point(step))
+  except RuntimeError:  # the service is disabled (jax_enable_preemption_service=False)
+    return False
