@@ -79,11 +79,14 @@ def step_bytes(directory: epath.PathLike, step: int) -> int | None:
   forget_listings(step_dir)
   if not step_dir.exists():
     return None
-  total = 0
-  for root, _, files in step_dir.walk():
-    for name in files:
-      total += (root / name).stat().length
-  return total
+  if is_gcs(step_dir):
+    fs = epath.backend.fsspec_backend.fs(os.fspath(step_dir))
+    return int(fs.du(os.fspath(step_dir), total=True))
+  return sum(
+    os.path.getsize(os.path.join(root, name))
+    for root, _, files in os.walk(os.fspath(step_dir))
+    for name in files
+  )
 
 
 def cleanup_unfinalized(directory: epath.PathLike) -> list[str]:
