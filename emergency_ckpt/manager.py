@@ -40,6 +40,7 @@ from emergency_ckpt.options import CheckpointManagerOptions
 from emergency_ckpt.persistent_tier import PersistentTier
 from emergency_ckpt.state_store import StateStore, decode_data_state, encode_data_state
 from emergency_ckpt.storage import atomic_write
+from emergency_ckpt.telemetry import EventLog
 from emergency_ckpt.topology import (
   Collectives,
   init_orbax_multihost,
@@ -124,6 +125,11 @@ class CheckpointManager:
     self._last_step: int | None = None
     self._metrics: dict[int, dict] = {}
     self._persistent_final: set[int] = set()
+    self._save_t0: dict[int, float] = {}
+    log_path = options.event_log
+    if log_path is not None:
+      log_path = log_path.replace("{process}", str(topo.process_index))
+    self._events = EventLog(log_path, process=topo.process_index, slice=topo.slice_index)
     self._info: dict[int, dict] = {}
     self._closed = False
     if topo.is_primary_process:
@@ -140,6 +146,13 @@ class CheckpointManager:
           indent=1,
         ).encode(),
       )
+    self._events.record(
+      "run_start",
+      run_id=self._run_id,
+      topology=topo.fingerprint(),
+      local=self._local.directory,
+      persistent=str(root),
+    )
     logger.info(
       "%s emergency_ckpt manager ready: run_id=%s, local=%s, persistent=%s",
       topo.log_prefix(),
@@ -200,6 +213,9 @@ class CheckpointManager:
       return False
     t0 = time.monotonic()
     data_state = encode_data_state(data_state)
+    self._save_t0[step] = t0
+    if len(self._save_t0) > 64:  # durable events of older steps came long ago
+      self._save_t0.pop(min(self._save_t0))
     metrics = _check_metrics(metrics)
     paths, leaves, _ = shards_lib.leaf_paths(state)
     self._raise_background_errors()
@@ -212,8 +228,10 @@ class CheckpointManager:
         t for t, on in (("local", decision.local), ("persistent", decision.persistent)) if on
       ],
     }
+    nbytes = 0
     if decision.local:
       staged = self._local.stage(step, paths, leaves)
+      nbytes = staged.layout.nbytes
       logger.debug("%s step %d staged in %.3fs", self._topology.log_prefix(), step, staged.stall_s)
       self._track(
         self._local.write_async(staged, on_done=lambda r: self._after_local(r, data_state))
@@ -223,24 +241,45 @@ class CheckpointManager:
     if decision.persistent and self._topology.is_primary_slice:
       self._persistent.save(step, state)
     self._last_step = step
-    logger.debug(
-      "%s save(step=%d) returned after %.4fs",
-      self._topology.log_prefix(),
-      step,
-      time.monotonic() - t0,
+    self._events.record(
+      "save",
+      step=step,
+      tiers=self._info[step]["tiers"],
+      bytes=nbytes,
+      stall_s=round(time.monotonic() - t0, 6),
     )
     return True
+
+  def _durable(self, step: int, tier: str, nbytes: int | None, error: str | None = None) -> None:
+    t0 = self._save_t0.get(step)
+    self._events.record(
+      "save_durable" if error is None else "save_failed",
+      step=step,
+      tier=tier,
+      durable_s=None if t0 is None else round(time.monotonic() - t0, 6),
+      bytes=nbytes,
+      error=error,
+    )
 
   def _after_local(self, result: WriteResult, data_state: dict | None) -> None:
     # The JSON is written after the local write, so COMMIT means "every
     # process finished its save of this step" (even if the write failed: a
     # peer slice or the persistent tier may still serve the tensors).
+    self._durable(result.step, "local", result.nbytes, result.error)
     self._queue_state(result.step, data_state)
     if result.ok:
       self._apply_local_retention()
 
   def _queue_state(self, step: int, data_state: dict | None) -> None:
-    write = self._state_writer.submit(self._state.write, step, data_state)
+    def write_state() -> None:
+      try:
+        self._state.write(step, data_state)
+      except Exception as e:
+        self._durable(step, "state", None, f"{type(e).__name__}: {e}")
+        raise
+      self._durable(step, "state", None)
+
+    write = self._state_writer.submit(write_state)
     self._track(write)
     if self._topology.is_primary_process:
       self._track(self._committer.submit(self._commit, write, step))
@@ -289,6 +328,7 @@ class CheckpointManager:
   def _persistent_finalized(self, step: int) -> None:
     # Orbax's finalize thread, on every primary-slice process.
     self._persistent_final.add(step)
+    self._durable(step, "persistent", None)
     if self._topology.is_primary_process:
       self._track(self._committer.submit(self._apply_persistent_retention))
 
@@ -404,6 +444,7 @@ class CheckpointManager:
     its copy) or a persistent read (no slice has it).
     """
     self._check_open()
+    t_restore = time.monotonic()
     data_state_target = data_state
     if data_state_target is not None and not callable(getattr(data_state, "set_state", None)):
       raise DataStateError(
@@ -442,6 +483,15 @@ class CheckpointManager:
       saved = decode_data_state(data_state)
       if data_state_target is not None and saved is not None:
         data_state_target.set_state(saved)
+      self._events.record(
+        "restore",
+        step=plan.step,
+        source=source,
+        duration_s=round(time.monotonic() - t_restore, 6),
+        bytes=int(sum(math.prod(a.shape) * a.dtype.itemsize for a in abstract)),
+        tried=tried,
+        error=None,
+      )
       return RestoreResult(plan.step, state, saved, source)
     dirs = (
       f"local {self._local.directory} (per process), persistent"
@@ -450,6 +500,15 @@ class CheckpointManager:
     detail = restore_plan.describe_absence(invs, topo.slice_processes)
     if tried:
       detail += "; rejected after verification: " + "; ".join(tried)
+    self._events.record(
+      "restore",
+      step=None,
+      source=None,
+      duration_s=round(time.monotonic() - t_restore, 6),
+      bytes=0,
+      tried=tried,
+      error=detail,
+    )
     if step is not None:
       raise StepNotRestorableError(
         f"step {step} is not restorable. Looked in {dirs}. {detail}. Call"
@@ -636,6 +695,7 @@ class CheckpointManager:
       self._state_writer.shutdown(wait=True)
       self._committer.shutdown(wait=True)
       self._persistent.close()
+      self._events.close()
 
   def __enter__(self) -> CheckpointManager:
     return self

@@ -145,6 +145,12 @@ class CheckpointManagerOptions:
   """How long the primary waits for every process's JSON of a step before it
   gives up committing that step (the step then stays unrestorable)."""
 
+  event_log: str | None = None
+  """JSON-lines file of save/restore records (one line per event; read by
+  `emergency-ckpt report`). "{process}" in it becomes the process index, so
+  processes sharing a filesystem write separate files. None: Python logging
+  only."""
+
   best_metric: str | None = None
   """Key of save(metrics={...}) that ranks steps for keep_best and
   best_step(), e.g. "eval_loss". None: no ranking."""
@@ -187,6 +193,10 @@ class CheckpointManagerOptions:
         f"{tier}.keep_best={getattr(self, tier).keep_best} needs best_metric: name the"
         " save(metrics=...) key that ranks steps (e.g. best_metric: eval_loss).",
       )
+    _require(
+      self.event_log is None or (isinstance(self.event_log, str) and bool(self.event_log)),
+      f"event_log must be a file path or None, got {self.event_log!r}.",
+    )
     for name in ("collective_timeout_s", "state_commit_timeout_s"):
       value = getattr(self, name)
       _require(

@@ -208,3 +208,30 @@ def test_keep_best_needs_best_metric(shm_dir):
     _options(shm_dir, best_metric="loss", best_mode="lowest")
   with pytest.raises(ec.InvalidOptionsError, match="local.keep_period"):
     _options(shm_dir, local={"keep_period": 0})
+
+
+def test_event_log_records_saves_and_restores(shm_dir, mesh):
+  from emergency_ckpt.telemetry import read_events  # noqa: PLC0415
+
+  log = os.path.join(shm_dir, "events", "p{process}.jsonl")
+  with ec.CheckpointManager(_options(shm_dir, event_log=log), mesh=mesh) as mngr:
+    mngr.save(1, _state(mesh, 1.0))
+    mngr.save(2, _state(mesh, 2.0))
+    mngr.wait_until_finished()
+    mngr.restore(_abstract(mesh))
+  events = read_events(os.path.join(shm_dir, "events", "p0.jsonl"))
+  kinds = [(e["event"], e.get("step"), e.get("tier")) for e in events]
+  assert kinds[0][0] == "run_start"
+  saves = [e for e in events if e["event"] == "save"]
+  assert [(e["step"], e["tiers"]) for e in saves] == [(1, ["local"]), (2, ["local", "persistent"])]
+  assert all(32 <= e["bytes"] <= 128 for e in saves)  # staged bytes: 32 + alignment
+  assert all(e["stall_s"] >= 0 and e["process"] == 0 and e["slice"] == 0 for e in saves)
+  durable = {(e["step"], e["tier"]) for e in events if e["event"] == "save_durable"}
+  assert durable == {(1, "local"), (1, "state"), (2, "local"), (2, "state"), (2, "persistent")}
+  (restore,) = [e for e in events if e["event"] == "restore"]
+  assert (restore["step"], restore["source"], restore["bytes"], restore["error"]) == (
+    2,
+    "local",
+    32,
+    None,
+  )
