@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -40,7 +41,7 @@ def _build(cls, data: Mapping[str, Any], where: str):
     if cls is CheckpointManagerOptions and key in _NESTED:
       kwargs[key] = _build(_NESTED[key], value or {}, path)
     else:
-      kwargs[key] = os.path.expandvars(value) if isinstance(value, str) else value
+      kwargs[key] = _expand(value, path) if isinstance(value, str) else value
   missing = [
     name
     for name, f in fields.items()
@@ -100,12 +101,30 @@ def load_config(path: str | os.PathLike, overrides: Iterable[str] = ()) -> Check
   return options_from_dict(data, overrides)
 
 
+_UNSET_VAR = re.compile(r"\$(\w+|\{[^}]*\})")
+
+
+def _expand(value: str, path: str) -> str:
+  """$VAR / ${VAR} from the environment; an unset variable is an error (a
+  literal "${CKPT_ROOT}/x" would silently become a relative folder)."""
+  expanded = os.path.expandvars(value)
+  left = _UNSET_VAR.search(expanded)
+  if left:
+    name = left.group(1).strip("{}")
+    raise ConfigError(
+      f"{path}: environment variable {name} is not set (in {value!r}). Export it, or"
+      f" override the key: {path}=..."
+    )
+  return expanded
+
+
 def field_docs(cls) -> dict[str, str]:
   """Field docstrings (the string literal after each field) for docs and --help."""
   import ast  # noqa: PLC0415
   import inspect  # noqa: PLC0415
+  import textwrap  # noqa: PLC0415
 
-  tree = ast.parse(inspect.getsource(cls))
+  tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
   body = tree.body[0].body
   docs = {}
   for node, nxt in zip(body, body[1:]):

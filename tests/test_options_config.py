@@ -401,3 +401,30 @@ def test_field_docs_local_content():
   assert docs["directory"].startswith("Node-local directory")
   assert "0700" in docs["directory"]
   assert "step % save_interval_steps == 0" in docs["save_interval_steps"]
+
+
+def test_unset_environment_variable_is_named(tmp_path, monkeypatch):
+  import emergency_ckpt as ec  # noqa: PLC0415
+
+  monkeypatch.delenv("EC_UNSET_ROOT", raising=False)
+  cfg = tmp_path / "c.yaml"
+  cfg.write_text("local:\n  directory: /dev/shm/x\npersistent:\n  directory: ${EC_UNSET_ROOT}/run\n")
+  with pytest.raises(
+    ec.ConfigError, match="persistent.directory: environment variable EC_UNSET_ROOT"
+  ):
+    ec.load_config(cfg)
+  monkeypatch.setenv("EC_UNSET_ROOT", "/data")
+  assert ec.load_config(cfg).persistent.directory == "/data/run"
+
+
+def test_field_docs_of_a_nested_class():
+  import dataclasses  # noqa: PLC0415
+
+  from emergency_ckpt.config import field_docs  # noqa: PLC0415
+
+  @dataclasses.dataclass
+  class Inner:
+    x: int = 1
+    """The x."""
+
+  assert field_docs(Inner) == {"x": "The x."}
