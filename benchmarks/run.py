@@ -84,17 +84,19 @@ class _Tail:
 
 
 class Runner:
-  def __init__(self, args: argparse.Namespace, shm_root: str, disk_root: str):
+  def __init__(self, args: argparse.Namespace, shm_root: str, disk_root: str, on_job=None):
     self.args = args
     self.shm_root = shm_root
     self.disk_root = disk_root
     self.errors: dict[str, str] = {}
+    self.on_job = on_job or (lambda label, status, wall_s, error: None)
 
   def job(self, label: str, target: str, job_args: dict, timeout_s: float):
     """Runs one 4-process job; (per-process results, None) or (None, error)."""
     job_dir = os.path.join(self.disk_root, "jobs", label)
     os.makedirs(job_dir, exist_ok=True)
     progress(f"{label}: starting ({target.split(':')[1]}, timeout {timeout_s:.0f}s)")
+    self.on_job(label, "start", None, None)
     with _Tail(os.path.join(job_dir, "log_0.txt"), label):
       spawn = repr(time.time())
       res = run_job(
@@ -109,6 +111,7 @@ class Runner:
     bad = [i for i, rc in enumerate(res.returncodes) if rc != 0]
     if not bad and not res.timed_out and all(r is not None for r in res.results):
       progress(f"{label}: done in {res.wall_s:.1f}s")
+      self.on_job(label, "done", res.wall_s, None)
       return res.results, None
     error = _summarize(res, bad)
     self.errors[label] = error
@@ -118,6 +121,7 @@ class Runner:
       with open(os.path.join(logs, f"{label}_process_{i}.txt"), "w") as f:
         f.write(text)
     progress(f"{label}: FAILED after {res.wall_s:.1f}s: {error} (logs in {logs})")
+    self.on_job(label, "failed", res.wall_s, error)
     return None, error
 
 
@@ -171,13 +175,17 @@ def _versions() -> dict[str, str]:
   return out
 
 
-def main(argv=None) -> int:
+def main(argv=None, on_job=None) -> int:
+  """Runs the benchmark; returns the exit status. `on_job(label, status,
+  wall_s, error)`, if given, is called as each job starts ("start") and ends
+  ("done" or "failed"); labels: "raw", "<manager>-main", "<manager>-restart-<k>"
+  (restarts only after a successful main job)."""
   args = parse_args(argv)
   os.makedirs(args.out, exist_ok=True)
   mib, reps = args.mib_per_replica, args.reps
   shm_root = tempfile.mkdtemp(prefix="ecbench-", dir=args.shm_root)
   disk_root = tempfile.mkdtemp(prefix="ecbench-", dir=args.persistent_root)
-  runner = Runner(args, shm_root, disk_root)
+  runner = Runner(args, shm_root, disk_root, on_job)
   base = {"mib": mib, "reps": reps, "shm_root": shm_root, "disk_root": disk_root}
   scale = mib * reps
   t_main = args.job_timeout or 240 + 0.5 * scale

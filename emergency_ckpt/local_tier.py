@@ -370,12 +370,8 @@ class LocalTier:
 
   # ---- delete --------------------------------------------------------------
   def delete(self, step: int) -> None:
-    path = self.step_dir(step)
-    if os.path.isdir(path):
-      # Rename first, so a crash mid-delete never leaves a listed, partial step.
-      doomed = os.path.join(self.directory, f".tmp-delete-{step}-{uuid.uuid4().hex[:8]}")
-      os.rename(path, doomed)
-      shutil.rmtree(doomed, ignore_errors=True)
+    """Deletes one of this process's steps (renamed away first)."""
+    delete_step_dir(self.step_dir(step))
 
   def apply_retention(self, keep: set[int]) -> list[int]:
     """Deletes committed steps not in `keep`; returns the deleted steps."""
@@ -423,3 +419,21 @@ def verify_step_dir(path: str) -> tuple[dict | None, list[str]]:
       if zlib.crc32(buf[s["offset"] : s["offset"] + s["nbytes"]]) != s["crc32"]:
         problems.append(f"{path}: leaf {leaf['path']} shard {s['index']} fails its checksum")
   return body, problems
+
+
+def delete_step_dir(path: str) -> None:
+  """Deletes one local step folder as LocalTier.delete does: renamed out of
+  the step namespace first (a crash mid-delete never leaves a listed, partial
+  step; the `.tmp-` leftover is removed when a manager next starts), then
+  removed. No-op if absent. For offline tools (`emergency-ckpt gc`): raises
+  OSError if the folder cannot be renamed or removed."""
+  path = os.path.abspath(path)
+  if not os.path.lexists(path):
+    return
+  parent, name = os.path.split(path)
+  doomed = os.path.join(parent, f".tmp-delete-{name}-{uuid.uuid4().hex[:8]}")
+  os.rename(path, doomed)
+  if os.path.islink(doomed):  # never follow a planted link
+    os.unlink(doomed)
+  else:
+    shutil.rmtree(doomed)
