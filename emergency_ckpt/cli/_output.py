@@ -1,0 +1,110 @@
+"""Output of the `emergency-ckpt` commands: aligned tables (ANSI styles only on
+a terminal), sizes and seconds, and a progress display on stderr."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+
+def _isatty(stream) -> bool:
+  try:
+    return bool(stream.isatty())
+  except (AttributeError, ValueError):
+    return False
+
+
+class _Style:
+  """ANSI styles, only when `stream` (stdout) is a terminal and NO_COLOR is unset."""
+
+  _CODES = {"bold": "1", "dim": "2", "red": "31", "green": "32", "yellow": "33"}
+
+  def __init__(self, stream=None):
+    stream = sys.stdout if stream is None else stream
+    self.on = _isatty(stream) and "NO_COLOR" not in os.environ and os.environ.get("TERM") != "dumb"
+
+  def __call__(self, text: str, *styles: str) -> str:
+    if not self.on or not styles:
+      return text
+    return f"\033[{';'.join(self._CODES[s] for s in styles)}m{text}\033[0m"
+
+
+def _grid(
+  headers: list[str],
+  rows: list[list[Any]],
+  style: _Style | None = None,
+  color: Callable[[str, str], tuple[str, ...]] | None = None,
+) -> str:
+  """An aligned text table. `color(header, cell)` names styles for a cell
+  (applied after padding, so alignment holds; only on a terminal)."""
+  style = style or _Style()
+  cells = [["-" if v is None else str(v) for v in row] for row in rows]
+  widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+  last = len(headers) - 1
+  lines = [
+    "  ".join(
+      style(h.ljust(w) if i < last else h, "bold") for i, (h, w) in enumerate(zip(headers, widths))
+    )
+  ]
+  for r in cells:
+    out = []
+    for i, (h, v, w) in enumerate(zip(headers, r, widths)):
+      text = v.ljust(w) if i < last else v
+      out.append(style(text, *(color(h, v) if color else ())))
+    lines.append("  ".join(out).rstrip())
+  return "\n".join(line.rstrip() for line in lines)
+
+
+def _mib(nbytes: int | None) -> str:
+  if nbytes is None:
+    return ""
+  if nbytes < 1 << 20:
+    return f"{nbytes / 1024:.1f} KiB"
+  if nbytes < 1 << 30:
+    return f"{nbytes / (1 << 20):.1f} MiB"
+  return f"{nbytes / (1 << 30):.2f} GiB"
+
+
+def _secs(value: float | None, digits: int = 3) -> str:
+  return "-" if value is None else f"{value:.{digits}f}"
+
+
+class _Progress:
+  """Progress on stderr: on a terminal one status line rewritten in place;
+  otherwise only permanent lines, plain (no escape or control codes)."""
+
+  def __init__(self, stream=None):
+    self.stream = sys.stderr if stream is None else stream
+    self.tty = _isatty(self.stream)
+    self._shown = 0
+    self._lock = threading.Lock()
+
+  def status(self, text: str) -> None:
+    """A transient line (terminal only)."""
+    if not self.tty:
+      return
+    with self._lock:
+      text = text[: max(20, shutil.get_terminal_size((100, 24)).columns - 1)]  # no wrap
+      self.stream.write("\r" + text + " " * max(0, self._shown - len(text)))
+      self.stream.flush()
+      self._shown = len(text)
+
+  def line(self, text: str) -> None:
+    """A permanent line (replaces the status line on a terminal)."""
+    with self._lock:
+      if self._shown:
+        self.stream.write("\r" + " " * self._shown + "\r")
+        self._shown = 0
+      self.stream.write(text + "\n")
+      self.stream.flush()
+
+  def clear(self) -> None:
+    with self._lock:
+      if self._shown:
+        self.stream.write("\r" + " " * self._shown + "\r")
+        self.stream.flush()
+        self._shown = 0

@@ -1,0 +1,390 @@
+"""`emergency-ckpt report`: summarise a run from its telemetry event logs, as
+tables, JSON or a timeline PNG."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import statistics
+import sys
+from typing import Any
+
+from emergency_ckpt import telemetry
+from emergency_ckpt.cli._output import _grid, _secs, _Style
+
+
+def _is_num(v: Any) -> bool:
+  return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _mean(values: list[float]) -> float | None:
+  return statistics.fmean(values) if values else None
+
+
+def summarize_events(events: list[dict[str, Any]]) -> dict[str, Any]:
+  """The `report` numbers of a run, from its events (see telemetry's schema)."""
+  events = [e for e in events if _is_num(e.get("time"))]
+  if not events:
+    raise ValueError("no events with a time")
+  starts = [
+    e["wall_start"] for e in events if e["event"] == "run_start" and _is_num(e.get("wall_start"))
+  ]
+  t0 = min([e["time"] for e in events] + starts)
+  t1 = max(e["time"] for e in events)
+  wall = t1 - t0
+  procs = sorted({e["process"] for e in events if isinstance(e.get("process"), int)})
+  slice_of = {e["process"]: e.get("slice") for e in events if isinstance(e.get("process"), int)}
+  saves = [e for e in events if e["event"] == "save"]
+  stalls = [e["stall_s"] for e in saves if _is_num(e.get("stall_s"))]
+
+  per_process = []
+  for p in procs:
+    mine = [e["stall_s"] for e in saves if e.get("process") == p and _is_num(e.get("stall_s"))]
+    per_process.append(
+      {
+        "process": p,
+        "slice": slice_of.get(p),
+        "starts": sum(e["event"] == "run_start" and e.get("process") == p for e in events),
+        "saves": len(mine),
+        "stall_total_s": sum(mine),
+        "stall_mean_s": _mean(mine),
+        "stall_max_s": max(mine, default=None),
+      }
+    )
+  slowest = max(per_process, key=lambda r: r["stall_total_s"], default=None)
+  overhead = None
+  if slowest is not None and wall > 0:
+    overhead = 100.0 * slowest["stall_total_s"] / wall
+
+  tiers = ["local", "persistent", "state"]
+  for e in events:
+    for t in (e.get("tiers") or []) if e["event"] == "save" else [e.get("tier")]:
+      if isinstance(t, str) and t not in tiers:
+        tiers.append(t)
+  tier_rows = []
+  for t in tiers:
+    durable = [e for e in events if e["event"] == "save_durable" and e.get("tier") == t]
+    ok = [e for e in durable if e.get("error") is None]
+    times = [e["durable_s"] for e in ok if _is_num(e.get("durable_s"))]
+    row = {
+      "tier": t,
+      "saved_steps": len({e.get("step") for e in saves if t in (e.get("tiers") or [])}),
+      "durable_steps": len({e.get("step") for e in ok}),
+      "durable_records": len(ok),
+      "failed": sum(
+        e.get("tier") == t
+        and (e["event"] == "save_failed" or (e["event"] == "save_durable" and bool(e.get("error"))))
+        for e in events
+      ),
+      "skipped": sum(e["event"] == "save_skipped" and e.get("tier") == t for e in events),
+      "durable_mean_s": _mean(times),
+      "durable_max_s": max(times, default=None),
+    }
+    if any(row[k] for k in ("saved_steps", "durable_records", "failed", "skipped")):
+      tier_rows.append(row)
+
+  restores = []
+  for r in sorted((e for e in events if e["event"] == "restore"), key=lambda e: e["time"]):
+    p, t, step = r.get("process"), r["time"], r.get("step")
+    since = max((e["time"] for e in _restores_of(events, p) if e["time"] < t), default=-math.inf)
+    saved = [
+      e["step"] for e in saves if e.get("process") == p and e["time"] < t and _is_num(e.get("step"))
+    ]
+    trained = [
+      e
+      for e in events
+      if e["event"] == "train_step"
+      and e.get("process") == p
+      and since < e["time"] < t
+      and _is_num(e.get("step"))
+    ]
+    newest_saved = max(saved, default=None)
+    newest_trained = max((e["step"] for e in trained), default=None)
+    valid = _is_num(step)
+    restores.append(
+      {
+        "process": p,
+        "slice": r.get("slice"),
+        "at_s": t - t0,
+        "step": step,
+        "source": r.get("source"),
+        "duration_s": r.get("duration_s"),
+        "bytes": r.get("bytes"),
+        "error": r.get("error"),
+        "tried": r.get("tried") or [],
+        "newest_saved": newest_saved,
+        "lost_steps": max(0, newest_saved - step) if valid and newest_saved is not None else None,
+        "newest_trained": newest_trained,
+        "redone_steps": (
+          max(0, newest_trained - step) if valid and newest_trained is not None else None
+        ),
+        "redone_s": (
+          sum(e.get("duration_s") or 0 for e in trained if e["step"] > step)
+          if valid and trained
+          else None
+        ),
+      }
+    )
+
+  errors = [
+    {
+      "at_s": e["time"] - t0,
+      "process": e.get("process"),
+      "slice": e.get("slice"),
+      "event": e["event"],
+      "step": e.get("step"),
+      "tier": e.get("tier") or e.get("source"),
+      "error": e.get("error"),
+    }
+    for e in events
+    if e.get("error") is not None or e["event"] in ("save_failed", "save_skipped")
+  ]
+  return {
+    "run_ids": sorted({str(e["run_id"]) for e in events if e.get("run_id") is not None}),
+    "events": len(events),
+    "processes": len(procs),
+    "slices": len({s for s in slice_of.values() if s is not None}),
+    "wall_start": t0,
+    "wall_end": t1,
+    "wall_s": wall,
+    "checkpoint_overhead_pct": overhead,
+    "overhead_process": None if slowest is None else slowest["process"],
+    "stall": {
+      "saves": len(stalls),
+      "mean_s": _mean(stalls),
+      "max_s": max(stalls, default=None),
+      "total_s_slowest_process": None if slowest is None else slowest["stall_total_s"],
+    },
+    "per_process": per_process,
+    "tiers": tier_rows,
+    "restores": restores,
+    "restore_total_s": sum(r["duration_s"] for r in restores if _is_num(r["duration_s"])),
+    "train_steps": sum(e["event"] == "train_step" for e in events),
+    "errors": errors,
+  }
+
+
+def _restores_of(events: list[dict[str, Any]], process: Any) -> list[dict[str, Any]]:
+  return [e for e in events if e["event"] == "restore" and e.get("process") == process]
+
+
+def _report_text(s: dict[str, Any], files: list[str], style: _Style) -> str:
+  out = []
+  title = f"run {', '.join(s['run_ids']) or '(no run_start event)'}"
+  out.append(style(title, "bold"))
+  out.append(
+    f"{s['events']} events from {len(files)} file(s); {s['processes']} process(es),"
+    f" {s['slices']} slice(s); {s['train_steps']} train_step events"
+  )
+  start = datetime.datetime.fromtimestamp(s["wall_start"]).isoformat(timespec="seconds")
+  out.append(f"wall time            {s['wall_s']:.1f} s (from {start})")
+  if s["checkpoint_overhead_pct"] is None:
+    out.append("checkpoint overhead  - (no save events)")
+  else:
+    out.append(
+      f"checkpoint overhead  {s['checkpoint_overhead_pct']:.2f} % (process"
+      f" {s['overhead_process']}: {s['stall']['total_s_slowest_process']:.3f} s of save()"
+      f" stalls / wall time)"
+    )
+  st = s["stall"]
+  out.append(
+    f"save stall           {st['saves']} saves, mean {_secs(st['mean_s'])} s,"
+    f" max {_secs(st['max_s'])} s"
+  )
+  out.append(
+    f"restore time         {s['restore_total_s']:.3f} s over {len(s['restores'])} restores"
+  )
+  if s["tiers"]:
+    out += ["", style("saves per tier", "bold")]
+    out.append(
+      _grid(
+        ["tier", "steps saved", "durable steps", "failed", "skipped", "mean durable s", "max s"],
+        [
+          [
+            t["tier"],
+            t["saved_steps"] if t["tier"] != "state" else "-",
+            t["durable_steps"],
+            t["failed"],
+            t["skipped"],
+            _secs(t["durable_mean_s"]),
+            _secs(t["durable_max_s"]),
+          ]
+          for t in s["tiers"]
+        ],
+        style,
+      )
+    )
+  if s["per_process"]:
+    out += ["", style("save stall per process", "bold")]
+    out.append(
+      _grid(
+        ["process", "slice", "starts", "saves", "total stall s", "mean s", "max s"],
+        [
+          [
+            p["process"],
+            p["slice"],
+            p["starts"],
+            p["saves"],
+            _secs(p["stall_total_s"]),
+            _secs(p["stall_mean_s"]),
+            _secs(p["stall_max_s"]),
+          ]
+          for p in s["per_process"]
+        ],
+        style,
+      )
+    )
+  out += ["", style("restores", "bold")]
+  if not s["restores"]:
+    out.append("none")
+  else:
+    out.append(
+      _grid(
+        [
+          "at s",
+          "process",
+          "slice",
+          "step",
+          "source",
+          "duration s",
+          "newest saved",
+          "lost steps",
+          "redone steps",
+          "redone s",
+          "tried",
+        ],
+        [
+          [
+            f"{r['at_s']:.1f}",
+            r["process"],
+            r["slice"],
+            r["step"],
+            r["source"] if r["error"] is None else "FAILED",
+            _secs(r["duration_s"]),
+            r["newest_saved"],
+            r["lost_steps"],
+            r["redone_steps"],
+            _secs(r["redone_s"], 2),
+            ",".join(map(str, r["tried"])) or "-",
+          ]
+          for r in s["restores"]
+        ],
+        style,
+      )
+    )
+  out += ["", style(f"errors and failures ({len(s['errors'])})", "bold")]
+  if not s["errors"]:
+    out.append("none")
+  else:
+    out.append(
+      _grid(
+        ["at s", "process", "slice", "event", "step", "tier", "error"],
+        [
+          [
+            f"{e['at_s']:.1f}",
+            e["process"],
+            e["slice"],
+            e["event"],
+            e["step"],
+            e["tier"],
+            e["error"],
+          ]
+          for e in s["errors"]
+        ],
+        style,
+        lambda h, v: ("red",) if h == "error" and v else (),
+      )
+    )
+  return "\n".join(out)
+
+
+def draw_timeline(events: list[dict[str, Any]], summary: dict[str, Any], out: str) -> str | None:
+  """Draws saves, failures and restores per process to `out` (PNG) with
+  matplotlib; returns None, or why nothing was drawn."""
+  try:
+    import matplotlib  # noqa: PLC0415 - optional
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+  except ImportError:
+    return (
+      "--png needs matplotlib, which is not installed here (it is not a dependency of"
+      " emergency_ckpt): pip install matplotlib, then run report again"
+    )
+  t0 = summary["wall_start"]
+  procs = sorted({e["process"] for e in events if isinstance(e.get("process"), int)})
+  row = {p: i for i, p in enumerate(procs)}
+  fig, ax = plt.subplots(figsize=(11, 1.2 + 0.5 * max(1, len(procs))))
+  marks = {
+    "local save": ([], [], dict(marker="|", color="tab:blue", s=80)),
+    "persistent save": ([], [], dict(marker="|", color="tab:green", s=200)),
+    "failure / error": ([], [], dict(marker="x", color="tab:red", s=60)),
+    "restore": ([], [], dict(marker="*", color="black", s=160)),
+    "manager start": ([], [], dict(marker="o", facecolors="none", edgecolors="gray", s=50)),
+  }
+  for e in events:
+    p = e.get("process")
+    if p not in row or not _is_num(e.get("time")):
+      continue
+    x, y = e["time"] - t0, row[p]
+    key = None
+    if e["event"] == "save":
+      key = "persistent save" if "persistent" in (e.get("tiers") or []) else "local save"
+    elif e.get("error") is not None or e["event"] in ("save_failed", "save_skipped"):
+      key = "failure / error"
+    elif e["event"] == "restore":
+      key = "restore"
+      ax.annotate(
+        f"{e.get('step')} ({e.get('source')})", (x, y), xytext=(4, 6), textcoords="offset points"
+      )
+    elif e["event"] == "run_start":
+      key = "manager start"
+    if key:
+      marks[key][0].append(x)
+      marks[key][1].append(y)
+  for label, (xs, ys, kw) in marks.items():
+    if xs:
+      ax.scatter(xs, ys, label=label, **kw)
+  ax.set_yticks(range(len(procs)))
+  slice_of = {p["process"]: p["slice"] for p in summary["per_process"]}
+  ax.set_yticklabels([f"process {p} (slice {slice_of.get(p)})" for p in procs])
+  ax.set_ylim(-0.7, len(procs) - 0.3)
+  ax.set_xlim(0, max(summary["wall_s"], 1e-3) * 1.12)  # room for the last labels
+  ax.set_xlabel("seconds since start")
+  pct = summary["checkpoint_overhead_pct"]
+  ax.set_title(
+    f"{', '.join(summary['run_ids']) or 'run'}: wall {summary['wall_s']:.0f} s, checkpoint"
+    f" overhead {'-' if pct is None else f'{pct:.2f} %'}"
+  )
+  ax.grid(axis="x", alpha=0.3)
+  ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
+  fig.tight_layout()
+  fig.savefig(out, dpi=120)
+  plt.close(fig)
+  return None
+
+
+def cmd_report(a) -> int:
+  files = telemetry._expand(a.logs)
+  missing = [f for f in files if not os.path.isfile(f)]
+  if missing:
+    print(f"report: no such file(s): {', '.join(missing)}", file=sys.stderr)
+    return 1
+  events = telemetry.read_events(files)
+  if not events:
+    print(f"report: no events in {', '.join(files) or ' '.join(a.logs)}", file=sys.stderr)
+    return 1
+  summary = summarize_events(events)
+  if a.json:
+    print(json.dumps(dict(summary, files=files), indent=1))
+  else:
+    print(_report_text(summary, files, _Style()))
+  if a.png:
+    why = draw_timeline(events, summary, a.png)
+    if why is not None:
+      print(f"report: {why}", file=sys.stderr)
+      return 1
+    print(f"report: timeline written to {a.png}", file=sys.stderr)
+  return 0
