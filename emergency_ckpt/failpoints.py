@@ -1,33 +1,60 @@
-"""Failpoints: SIGKILL this process at a named point, for crash tests.
+"""Failpoints: kill (or freeze) this process at a named point, for crash tests.
 
-Set EC_FAILPOINTS="name@step[,name@step...]" (e.g. "local.mid_write@3") in a
-process's environment; `hit(name, step)` then kills it there, exactly as a
-preempted host dies. Unset (production), `hit` is one dict lookup.
+Set EC_FAILPOINTS="name@step[:action][,name@step[:action]...]" (e.g.
+"local.mid_write@3") in a process's environment; `hit(name, step)` then acts
+there. Actions: `kill` (the default: SIGKILL, exactly as a preempted host
+dies) and `stop` (SIGSTOP: the process hangs there for good, as a wedged host
+does, until something sends it SIGKILL). Unset (production), `hit` is
+one dict lookup.
+
+Points: local.before_write, local.mid_write, local.before_rename,
+local.after_rename (local_tier), state.before_write, state.before_commit
+(state_store), persistent.before_save, persistent.after_save_call,
+persistent.after_finalize (persistent_tier).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
+
+ACTIONS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
 
 
-def _parse(spec: str) -> set[tuple[str, int]]:
-  out = set()
+def parse(spec: str) -> dict[tuple[str, int], str]:
+  """{(name, step): action} of an EC_FAILPOINTS value. Raises ValueError on a
+  malformed item (a typo must not silently disarm a crash test)."""
+  out = {}
   for item in filter(None, (s.strip() for s in spec.split(","))):
-    name, _, step = item.partition("@")
-    out.add((name, int(step)))
+    point, _, action = item.partition(":")
+    name, sep, step = point.partition("@")
+    action = action or "kill"
+    if not name or not sep or not step.strip().isdigit() or action not in ACTIONS:
+      raise ValueError(
+        f"EC_FAILPOINTS item {item!r} is not name@step[:action] with action in {sorted(ACTIONS)}"
+      )
+    out[(name.strip(), int(step))] = action
   return out
 
 
-_ARMED = _parse(os.environ.get("EC_FAILPOINTS", ""))
+_ARMED = parse(os.environ.get("EC_FAILPOINTS", ""))
 
 
-def hit(name: str, step: int) -> None:
-  """Kills this process with SIGKILL if `name@step` is armed."""
+def hit(name: str, step: int | None) -> None:
+  """Kills (or stops) this process if `name@step` is armed."""
   if _ARMED and (name, step) in _ARMED:
-    os.kill(os.getpid(), signal.SIGKILL)
+    if _ARMED[(name, step)] == "kill":
+      os.kill(os.getpid(), signal.SIGKILL)
+    # A process-directed SIGSTOP is taken by whichever thread the kernel picks
+    # (usually the main one); on a busy machine this thread could run on for
+    # milliseconds (finishing the very write under test) before that thread
+    # gets a CPU. Directed at this thread, it stops here, before returning.
+    # In a loop: a hung host stays hung even if something sends SIGCONT.
+    while True:
+      signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
 
 
-def armed(name: str, step: int) -> bool:
+def armed(name: str, step: int | None) -> bool:
   """True if `name@step` is armed (to make a write stop halfway, say)."""
   return (name, step) in _ARMED

@@ -4,7 +4,11 @@ Used by the demo, the benchmark and the tests. `run_job("pkg.mod:fn", n, args)`
 starts n processes of `python -m emergency_ckpt.launcher`, each running
 `fn(args)` after
 jax.distributed.initialize on 127.0.0.1. Each returns a JSON-able result,
-written to <out>/result_<i>.json. The launcher kills only its own children,
+written to <out>/result_<i>.json; each writes its OS pid to <out>/pid_<i> first
+(so a test can signal a sibling). Process 0 hosts the coordination service:
+it exits last, after every other process wrote its result or died (bounded by
+EC_LAUNCHER_EXIT_WAIT_S, default 60 s), so its exit never aborts a sibling
+that is still writing its result. The launcher kills only its own children,
 by PID, after a timeout.
 """
 
@@ -40,6 +44,8 @@ class JobResult:
   logs: list[str]
   timed_out: bool
   wall_s: float
+  pids: list[int | None] = dataclasses.field(default_factory=list)
+  """OS pid of each process (as it reported it), or None."""
 
   def check(self) -> list[Any]:
     """The per-process results, asserting every process succeeded."""
@@ -128,15 +134,70 @@ def run_job(
     with open(path, errors="replace") as f:
       log_text.append(f.read())
   return JobResult(
-    [p.returncode for p in procs], results, errors, log_text, timed_out, time.monotonic() - t0
+    [p.returncode for p in procs],
+    results,
+    errors,
+    log_text,
+    timed_out,
+    time.monotonic() - t0,
+    [read_pid(out_dir, i) for i in range(num_processes)],
   )
+
+
+def read_pid(out_dir: str, process: int) -> int | None:
+  """The OS pid that process `process` of the job in `out_dir` reported."""
+  try:
+    with open(os.path.join(out_dir, f"pid_{process}")) as f:
+      return int(f.read())
+  except (OSError, ValueError):
+    return None
+
+
+def process_gone(pid: int) -> bool:
+  """True if `pid` has exited (reaped, or a zombie waiting for its parent)."""
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      state = f.read().rsplit(")", 1)[1].split()[0]
+  except (OSError, IndexError):
+    try:
+      os.kill(pid, 0)  # no /proc (not Linux): exists unless this raises
+    except ProcessLookupError:
+      return True
+    except OSError:
+      return False
+    return False
+  return state in ("Z", "X")
+
+
+def wait_for_siblings(out_dir: str, me: int, n: int, timeout_s: float) -> list[int]:
+  """Blocks until every other process of the job wrote its result file or
+  exited, or `timeout_s` passed; returns the processes still running then."""
+  deadline = time.monotonic() + timeout_s
+  pending = [i for i in range(n) if i != me]
+  while True:
+    still = []
+    for i in pending:
+      if os.path.exists(os.path.join(out_dir, f"result_{i}.json")):
+        continue
+      pid = read_pid(out_dir, i)
+      if pid is not None and process_gone(pid):
+        continue
+      still.append(i)
+    pending = still
+    if not pending or time.monotonic() >= deadline:
+      return pending
+    time.sleep(0.05)
 
 
 def _worker_main() -> None:
   target, raw_args = sys.argv[1], sys.argv[2]
   pid = int(os.environ["EC_TEST_PID"])
   n = int(os.environ["EC_TEST_NPROC"])
-  out = os.path.join(os.environ["EC_TEST_OUT"], f"result_{pid}.json")
+  out_dir = os.environ["EC_TEST_OUT"]
+  out = os.path.join(out_dir, f"result_{pid}.json")
+  with open(os.path.join(out_dir, f"pid_{pid}.tmp"), "w") as f:
+    f.write(str(os.getpid()))
+  os.replace(os.path.join(out_dir, f"pid_{pid}.tmp"), os.path.join(out_dir, f"pid_{pid}"))
   code = 1
   doc: dict[str, Any] = {}
   try:
@@ -159,6 +220,14 @@ def _worker_main() -> None:
   with open(out + ".tmp", "w") as f:
     json.dump(doc, f)
   os.replace(out + ".tmp", out)
+  if pid == 0 and n > 1:
+    # Process 0 hosts the coordination service: exiting now would abort the
+    # others before they write their results.
+    left = wait_for_siblings(
+      out_dir, pid, n, float(os.environ.get("EC_LAUNCHER_EXIT_WAIT_S", "60"))
+    )
+    if left:
+      print(f"launcher: exiting while processes {left} still run", file=sys.stderr)
   sys.stdout.flush()
   sys.stderr.flush()
   os._exit(code)  # never hang in jax.distributed shutdown

@@ -52,8 +52,14 @@ _STEP_RE = re.compile(r"^step_(\d+)$")
 _CHUNK = 64 << 20
 
 
-def secure_makedirs(path: str) -> None:
-  """Creates `path` (and parents) 0700, refusing symlinks and foreign owners."""
+def secure_makedirs(path: str, *, shared_ok: bool = False) -> None:
+  """Creates `path` (and parents) 0700, refusing symlinks and foreign owners.
+
+  `shared_ok`: an existing sticky directory (mode +t, like /dev/shm or /tmp)
+  owned by root or by us is accepted whatever its mode: other users may
+  create entries there but cannot rename or remove ours (its owner could, so
+  another user's sticky folder is refused), and every folder the local tier
+  creates below it gets the full check."""
   parts = os.path.abspath(path)
   os.makedirs(parts, mode=0o700, exist_ok=True)
   st = os.lstat(parts)
@@ -62,6 +68,8 @@ def secure_makedirs(path: str) -> None:
       f"{parts} is a symlink or not a directory; the local tier refuses to"
       " write through it. Remove it, or point local.directory elsewhere."
     )
+  if shared_ok and st.st_mode & stat.S_ISVTX and st.st_uid in (0, os.geteuid()):
+    return
   if st.st_uid != os.geteuid():
     raise UnsafeDirectoryError(
       f"{parts} is owned by uid {st.st_uid}, not by this process (uid"
@@ -158,7 +166,8 @@ class LocalTier:
     self.directory = os.path.join(
       os.path.abspath(options.directory), run_id, f"process_{topology.process_index}"
     )
-    for p in (os.path.abspath(options.directory), os.path.dirname(self.directory), self.directory):
+    secure_makedirs(options.directory, shared_ok=True)  # may be /dev/shm itself
+    for p in (os.path.dirname(self.directory), self.directory):
       secure_makedirs(p)
     self._pool = _BufferPool(options.staging_buffers)
     self._executor = concurrent.futures.ThreadPoolExecutor(

@@ -19,7 +19,7 @@ from typing import Any
 import jax
 from etils import epath
 
-from emergency_ckpt import peer, persistent_tier, policies, restore_plan
+from emergency_ckpt import failpoints, peer, persistent_tier, policies, restore_plan
 from emergency_ckpt import shards as shards_lib
 from emergency_ckpt.errors import (
   CorruptCheckpointError,
@@ -116,6 +116,7 @@ class CheckpointManager:
       mesh=mesh,
       barrier_prefix=f"ec_{self._run_id}",
       on_finalized=self._persistent_finalized,
+      timeout_s=options.collective_timeout_s,
     )
     self._state_writer = concurrent.futures.ThreadPoolExecutor(1, "ec-state-write")
     self._committer = concurrent.futures.ThreadPoolExecutor(1, "ec-state-commit")
@@ -326,11 +327,21 @@ class CheckpointManager:
       self._state.delete(step)
 
   def _persistent_finalized(self, step: int) -> None:
-    # Orbax's finalize thread, on every primary-slice process.
+    # Orbax's finalize thread, on every primary-slice process, BEFORE Orbax
+    # renames the step / writes its commit file: wait for that elsewhere.
+    self._track(self._committer.submit(self._after_persistent, step))
+
+  def _after_persistent(self, step: int) -> None:
+    if not persistent_tier.wait_finalized(
+      self._persistent.directory, step, self._options.collective_timeout_s
+    ):
+      self._durable(step, "persistent", None, "not finalized in time")
+      return
+    failpoints.hit("persistent.after_finalize", step)
     self._persistent_final.add(step)
     self._durable(step, "persistent", None)
     if self._topology.is_primary_process:
-      self._track(self._committer.submit(self._apply_persistent_retention))
+      self._apply_persistent_retention()
 
   def _apply_persistent_retention(self) -> None:
     """Deletes persistent steps the rules drop; never the newest restorable
@@ -480,6 +491,7 @@ class CheckpointManager:
       self._last_step = plan.step
       source = plan.sources[topo.slice_index]
       logger.info("%s restored step %d from %s", topo.log_prefix(), plan.step, source)
+      self._discard_newer(plan.step, {c.step for c in cands})
       saved = decode_data_state(data_state)
       if data_state_target is not None and saved is not None:
         data_state_target.set_state(saved)
@@ -518,6 +530,21 @@ class CheckpointManager:
       f"no restorable checkpoint. Looked in {dirs}. {detail}. Start from"
       " scratch, or point the options at the run's directories."
     )
+
+  def _discard_newer(self, restored: int, restorable: set[int]) -> None:
+    """Training resumes at restored + 1 and will save those steps again: what
+    a crashed run left of unrestorable newer steps (a local copy, a JSON
+    without COMMIT) must not mix with the new saves. Restorable steps are
+    kept. Ends with a barrier, so no new save starts before the cleanup."""
+    for step in self._local.steps():
+      if step > restored and step not in restorable:
+        self._local.delete(step)
+    if self._topology.is_primary_process:
+      committed = set(self._state.committed_steps())
+      for step in self._state.listed_steps():
+        if step > restored and step not in committed:
+          self._state.delete(step)
+    self._collectives.barrier(f"restore_discard_{restored}")
 
   def _try_load(self, cand, paths, abstract):
     topo = self._topology

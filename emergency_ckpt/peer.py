@@ -41,7 +41,7 @@ def check_peer_compatible(
 ) -> str | None:
   """Why a peer transfer cannot serve `abstract`, or None if it can."""
   for path, leaf in zip(paths, abstract):
-    sharding = leaf.sharding
+    sharding = getattr(leaf, "sharding", None)
     if not isinstance(sharding, NamedSharding) or sharding.mesh != mesh:
       return f"leaf {path} is not a NamedSharding on the manager's mesh"
     for entry in sharding.spec:

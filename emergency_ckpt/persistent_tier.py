@@ -24,8 +24,8 @@ import jax
 from etils import epath
 from jax.sharding import Mesh, NamedSharding
 
-from emergency_ckpt import failpoints
-from emergency_ckpt.errors import TopologyError
+from emergency_ckpt import failpoints, storage
+from emergency_ckpt.errors import StateMismatchError, TopologyError
 from emergency_ckpt.options import PersistentTierOptions
 from emergency_ckpt.storage import check_bucket, forget_listings, is_gcs
 from emergency_ckpt.topology import Topology
@@ -41,17 +41,35 @@ def _is_finalized(step_dir: epath.Path) -> bool:
   """Orbax's rule: on GCS a step is final once its commit file exists; on a
   filesystem once it was renamed from its temporary name."""
   if is_gcs(step_dir):
-    return (step_dir / GCS_COMMIT_FILE).exists()
-  return step_dir.name.isdigit()
+    return storage.exists(step_dir / GCS_COMMIT_FILE)
+  return step_dir.name.isdigit() and step_dir.exists()
 
 
 def list_steps(directory: epath.PathLike) -> list[int]:
   """Finalized steps under an Orbax tensors/ directory. Any process may call it."""
   directory = epath.Path(directory)
-  forget_listings(directory)  # other processes save and delete steps here
-  if not directory.exists():
-    return []
-  return sorted(_ocp().path.step.checkpoint_steps(directory))
+
+  def listing() -> list[int]:
+    forget_listings(directory)  # other processes save and delete steps here
+    if not directory.exists():
+      return []
+    return sorted(_ocp().path.step.checkpoint_steps(directory))
+
+  return storage.retrying(listing, what="listing", path=directory)
+
+
+def wait_finalized(directory: epath.PathLike, step: int, timeout_s: float) -> bool:
+  """Polls until `step` is finalized (Orbax runs its post-finalization
+  callback BEFORE its rename / commit file: the step is not final then)."""
+  step_dir = epath.Path(directory) / str(step)
+  deadline = time.monotonic() + timeout_s
+  poll = 0.01
+  while not _is_finalized(step_dir):
+    if time.monotonic() > deadline:
+      return False
+    time.sleep(poll)
+    poll = min(poll * 2, 0.5)
+  return True
 
 
 def delete_step(directory: epath.PathLike, step: int) -> None:
@@ -59,14 +77,11 @@ def delete_step(directory: epath.PathLike, step: int) -> None:
   step as finalized: on GCS the commit file goes first, on a filesystem the
   folder is renamed out of the step namespace first. Called by: one process."""
   step_dir = epath.Path(directory) / str(step)
-  forget_listings(step_dir)
-  if not step_dir.exists():
-    return
   if is_gcs(step_dir):
-    marker = step_dir / GCS_COMMIT_FILE
-    if marker.exists():
-      marker.unlink()
-    step_dir.rmtree()
+    storage.unlink(step_dir / GCS_COMMIT_FILE)
+    storage.rmtree(step_dir)
+    return
+  if not step_dir.exists():
     return
   doomed = step_dir.parent / f"{DELETING_PREFIX}{step}-{uuid.uuid4().hex[:8]}"
   os.rename(os.fspath(step_dir), os.fspath(doomed))
@@ -95,19 +110,16 @@ def cleanup_unfinalized(directory: epath.PathLike) -> list[str]:
   deletions. Finalized steps are never touched. Called by: the primary
   process, before any save of this job. Returns the names removed."""
   directory = epath.Path(directory)
-  forget_listings(directory)
-  if not directory.exists():
-    return []
   removed = []
-  for entry in directory.iterdir():
-    name = entry.name
+  for name in storage.list_names(directory):
+    entry = directory / name
     partial = (
       name.startswith(DELETING_PREFIX)
       or ".orbax-checkpoint-tmp" in name
       or (name.isdigit() and entry.is_dir() and not _is_finalized(entry))
     )
     if partial:
-      entry.rmtree() if entry.is_dir() else entry.unlink()
+      storage.rmtree(entry) if entry.is_dir() else storage.unlink(entry)
       removed.append(name)
   if removed:
     logger.warning("removed partial persistent saves left by a crash: %s", sorted(removed))
@@ -148,6 +160,38 @@ def check_replicated(tree: Any, replica_axis: str) -> None:
         )
 
 
+def _check_matches(metadata: Any, abstract_tree: Any, where: Any) -> None:
+  """StateMismatchError unless abstract_tree has the saved tree, shapes and
+  dtypes (Orbax would cast dtypes silently, and raise an untyped error on
+  shapes)."""
+  saved = getattr(metadata, "item_metadata", metadata)
+  saved = getattr(saved, "tree", saved)
+  flat_saved = {
+    jax.tree_util.keystr(p): m for p, m in jax.tree_util.tree_flatten_with_path(saved)[0]
+  }
+  flat_want = {
+    jax.tree_util.keystr(p): a for p, a in jax.tree_util.tree_flatten_with_path(abstract_tree)[0]
+  }
+  if set(flat_saved) != set(flat_want):
+    missing = sorted(set(flat_saved) - set(flat_want))[:5]
+    extra = sorted(set(flat_want) - set(flat_saved))[:5]
+    raise StateMismatchError(
+      f"abstract_state does not match the tree saved in {where}: saved leaves missing from"
+      f" it {missing}, leaves it has that were not saved {extra}."
+    )
+  for key, want in flat_want.items():
+    got = flat_saved[key]
+    got_shape, got_dtype = tuple(getattr(got, "shape", ())), getattr(got, "dtype", None)
+    if got_dtype is None:
+      continue
+    if tuple(want.shape) != got_shape or jax.numpy.dtype(want.dtype) != jax.numpy.dtype(got_dtype):
+      raise StateMismatchError(
+        f"leaf {key}: abstract_state asks for {jax.numpy.dtype(want.dtype)}{tuple(want.shape)},"
+        f" {where} holds {jax.numpy.dtype(got_dtype)}{got_shape}. Pass the abstract state"
+        " the run was saved with (restore, then convert)."
+      )
+
+
 class PersistentTier:
   """Orbax on the persistent directory's tensors/ folder."""
 
@@ -159,6 +203,7 @@ class PersistentTier:
     mesh: Mesh,
     barrier_prefix: str,
     on_finalized: Callable[[int], None] | None = None,
+    timeout_s: float = 1200.0,
   ):
     self._options = options
     self._topology = topology
@@ -199,7 +244,11 @@ class PersistentTier:
         options=ocp.CheckpointManagerOptions(
           max_to_keep=None,  # retention is the manager's (policies.retain)
           enable_async_checkpointing=True,
-          async_options=ocp.AsyncOptions(post_finalization_callback=self._finalized),
+          # timeout: a hung primary-slice process fails Orbax's barriers
+          # after collective_timeout_s, not Orbax's default 20 minutes.
+          async_options=ocp.AsyncOptions(
+            timeout_secs=max(1, int(timeout_s)), post_finalization_callback=self._finalized
+          ),
           multiprocessing_options=mp,
           create=False,
         ),
@@ -209,7 +258,6 @@ class PersistentTier:
     # Orbax's finalize thread, on every primary-slice process, once the step
     # is final (its commit file or rename done).
     step = self._saving_step
-    failpoints.hit("persistent.after_finalize", step)
     if self._on_finalized is not None and step is not None:
       self._on_finalized(step)
 
@@ -258,10 +306,10 @@ class PersistentTier:
   def restore(self, step: int, abstract_tree: Any) -> Any:
     """Reads `step` onto abstract_tree's shardings. Called by: every process."""
     ocp = _ocp()
+    path = self.directory / str(step) / ITEM
     with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ckptr:
-      return ckptr.restore(
-        self.directory / str(step) / ITEM, args=ocp.args.StandardRestore(abstract_tree)
-      )
+      _check_matches(ckptr.metadata(path), abstract_tree, path)
+      return ckptr.restore(path, args=ocp.args.StandardRestore(abstract_tree))
 
   def wait_until_finished(self) -> None:
     if self._manager is not None:

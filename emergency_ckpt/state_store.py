@@ -22,9 +22,9 @@ from typing import Any
 
 from etils import epath
 
-from emergency_ckpt import failpoints
-from emergency_ckpt.errors import CorruptCheckpointError, DataStateError
-from emergency_ckpt.storage import atomic_write, forget_listings
+from emergency_ckpt import failpoints, storage
+from emergency_ckpt.errors import CorruptCheckpointError, DataStateError, StorageError
+from emergency_ckpt.storage import atomic_write
 
 logger = logging.getLogger("emergency_ckpt")
 
@@ -147,9 +147,7 @@ class StateStore:
   def missing(self, step: int, count: int | None = None) -> list[int]:
     """Processes whose file for `step` is absent (one listing)."""
     count = self._n if count is None else count
-    d = self.step_dir(step)
-    forget_listings(d)  # other processes write here
-    present = {p.name for p in d.iterdir()} if d.exists() else set()
+    present = set(storage.list_names(self.step_dir(step)))  # fresh: others write here
     return [p for p in range(count) if file_name(p, count) not in present]
 
   def commit(
@@ -196,11 +194,14 @@ class StateStore:
     return True
 
   def _marker(self, step: int) -> dict | None:
-    forget_listings(self.step_dir(step))
     try:
-      doc = json.loads((self.step_dir(step) / COMMIT).read_bytes())
+      doc = json.loads(storage.read_bytes(self.step_dir(step) / COMMIT))
       return doc if doc.get("format") == FORMAT and doc.get("step") == step else None
-    except (OSError, ValueError):
+    except FileNotFoundError:
+      return None
+    except StorageError:
+      raise  # an unreachable bucket is not "uncommitted"
+    except (OSError, ValueError, AttributeError):
       return None
 
   def record(self, step: int) -> dict | None:
@@ -214,10 +215,7 @@ class StateStore:
     return None if marker is None else marker["process_count"]
 
   def listed_steps(self) -> list[int]:
-    forget_listings(self.root)
-    if not self.root.exists():
-      return []
-    return sorted(int(p.name) for p in self.root.iterdir() if p.name.isdigit())
+    return sorted(int(n) for n in storage.list_names(self.root) if n.isdigit())
 
   def committed_steps(self) -> list[int]:
     """Steps whose COMMIT exists and lists files that are all present."""
@@ -242,9 +240,8 @@ class StateStore:
     process = self._me if process is None else process
     count = self._n if count is None else count
     path = self.step_dir(step) / file_name(process, count)
-    forget_listings(path.parent)
     try:
-      doc = json.loads(path.read_bytes())
+      doc = json.loads(storage.read_bytes(path))
       data_state = doc["data_state"]
       ok = (
         doc.get("format") == FORMAT
@@ -253,6 +250,8 @@ class StateStore:
       )
     except FileNotFoundError:
       raise CorruptCheckpointError(f"{path} is missing") from None
+    except StorageError:
+      raise
     except (OSError, ValueError, KeyError, TypeError) as e:
       raise CorruptCheckpointError(f"{path} is unreadable ({e})") from None
     if not ok:
@@ -262,10 +261,5 @@ class StateStore:
   def delete(self, step: int) -> None:
     """Removes a step's state, COMMIT first. Called by: the primary process."""
     d = self.step_dir(step)
-    forget_listings(d)
-    if not d.exists():
-      return
-    marker = d / COMMIT
-    if marker.exists():
-      marker.unlink()
-    d.rmtree()
+    storage.unlink(d / COMMIT)
+    storage.rmtree(d)

@@ -45,3 +45,36 @@ def gcs_server(tmp_path_factory):
 def gcs_bucket(gcs_server):
   """A fresh, uniquely named bucket on the session's server, as gs://<name>."""
   return f"gs://{gcs_server.create_bucket()}"
+
+
+@pytest.fixture
+def gcs_proxy(gcs_server):
+  """A fault-injecting proxy (tests/gcs_proxy.py) in front of the session's
+  fake-gcs-server, stopped afterwards. Not put in os.environ: point a client
+  at it with monkeypatch.setenv(...) or run_job(env=...) from `gcs_proxy.env`."""
+  from tests.gcs_proxy import GcsProxy  # noqa: PLC0415
+
+  proxy = GcsProxy(gcs_server.url).start()
+  yield proxy
+  proxy.stop()
+
+
+@pytest.fixture(scope="session")
+def fault_matrix():
+  """Records fault-matrix rows (tests/fault_matrix.py): `check(id, observed,
+  ok)` records, then asserts. Rows go to $EC_FAULT_MATRIX_OUT (JSON lines) if
+  set, which `python -m tests.fault_matrix` turns into the README table."""
+  from tests.fault_matrix import Recorder  # noqa: PLC0415
+
+  return Recorder(os.environ.get("EC_FAULT_MATRIX_OUT"))
+
+
+@pytest.fixture(scope="module")
+def module_shm_dir():
+  """Like shm_dir, shared by one module's tests (one set of jobs per module)."""
+  import shutil  # noqa: PLC0415
+
+  base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+  path = tempfile.mkdtemp(prefix="ecfault-", dir=base)
+  yield path
+  shutil.rmtree(path, ignore_errors=True)
