@@ -35,29 +35,41 @@ def _run(title: str, args: dict, root: str) -> list[dict]:
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = argparse.ArgumentParser(
+    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
   p.add_argument("--root", help="work folder (default: a fresh one under /dev/shm)")
   p.add_argument("--keep", action="store_true", help="keep the work folder")
   a = p.parse_args(argv)
-  root = a.root or tempfile.mkdtemp(prefix="ec-demo-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+  root = a.root or tempfile.mkdtemp(
+    prefix="ec-demo-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None
+  )
   try:
     ref = _run("reference run: 40 steps, no checkpoints", {"until": 40}, root)[0]["losses"]
     _run("checkpointed run: crashes after step 33", {"until": 33, "config": CONFIG}, root)
     for host in range(NPROC // SLICES, NPROC):  # slice 1 = processes 2, 3
       shutil.rmtree(os.path.join(root, "ramdisk", f"host_{host}"), ignore_errors=True)
     print(f"== slice 1 lost: wiped the ramdisks of hosts {list(range(NPROC // SLICES, NPROC))}")
-    resumed = _run("restart: restore, then train to step 40", {"until": 40, "config": CONFIG, "restore": True}, root)
+    resumed = _run(
+      "restart: restore, then train to step 40",
+      {"until": 40, "config": CONFIG, "restore": True},
+      root,
+    )
     ok = True
     for r in resumed:
       info = r["restored"]
-      print(f"process {r['process']} (slice {info['slice']}): restored step {info['step']} from"
-            f" {info['source']}; data iterator at position {info['data_state']['iterator']['position']}")
+      print(
+        f"process {r['process']} (slice {info['slice']}): restored step {info['step']} from"
+        f" {info['source']}; data iterator at position {info['data_state']['iterator']['position']}"
+      )
     losses = resumed[0]["losses"]
     print("step  resumed loss        reference loss      equal")
     for step in sorted(losses, key=int):
       same = losses[step] == ref[step]
       ok &= same
-      print(f"{int(step):4d}  {losses[step]:<18.10g}  {ref[step]:<18.10g}  {'yes' if same else 'NO'}")
+      print(
+        f"{int(step):4d}  {losses[step]:<18.10g}  {ref[step]:<18.10g}  {'yes' if same else 'NO'}"
+      )
     sources = sorted({(r["restored"]["slice"], r["restored"]["source"]) for r in resumed})
     ok &= sources == [(0, "local"), (1, "peer")]
     print("DEMO OK: resumed from the peer slice, loss curve bit-identical" if ok else "DEMO FAILED")

@@ -52,8 +52,8 @@ def shardings(m: Mesh) -> dict:
 def init_params(m: Mesh) -> dict:
   s = shardings(m)
   return {
-      "w": jax.device_put(jnp.zeros((DIN, DOUT), jnp.float32), s["w"]),
-      "b": jax.device_put(jnp.zeros((DOUT,), jnp.float32), s["b"]),
+    "w": jax.device_put(jnp.zeros((DIN, DOUT), jnp.float32), s["w"]),
+    "b": jax.device_put(jnp.zeros((DOUT,), jnp.float32), s["b"]),
   }
 
 
@@ -83,12 +83,18 @@ def train(args: dict) -> dict:
   if args.get("config"):
     mngr = ec.CheckpointManager(ec.load_config(args["config"]), mesh=m)
   if mngr is not None and args.get("restore"):
-    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), params)
+    abstract = jax.tree.map(
+      lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), params
+    )
     r = mngr.restore(abstract)
     params, start = r.state, r.step
     data.set_state(r.data_state["iterator"])
-    restored = {"step": r.step, "source": r.source, "data_state": r.data_state,
-                "slice": mngr.topology.slice_index}
+    restored = {
+      "step": r.step,
+      "source": r.source,
+      "data_state": r.data_state,
+      "slice": mngr.topology.slice_index,
+    }
   losses = {}
   for step in range(start + 1, args["until"] + 1):
     x, y = next(data)
@@ -97,7 +103,9 @@ def train(args: dict) -> dict:
     params, loss = step_fn(params, gx, gy)
     losses[step] = float(np.asarray(loss.addressable_shards[0].data))
     if mngr is not None:
-      mngr.save(step, params, data_state={"iterator": data.get_state(), "host": os.environ.get("EC_HOST")})
+      mngr.save(
+        step, params, data_state={"iterator": data.get_state(), "host": os.environ.get("EC_HOST")}
+      )
   if mngr is not None:
     mngr.close()
   return {"losses": losses, "restored": restored, "process": jax.process_index()}

@@ -408,7 +408,9 @@ def test_unset_environment_variable_is_named(tmp_path, monkeypatch):
 
   monkeypatch.delenv("EC_UNSET_ROOT", raising=False)
   cfg = tmp_path / "c.yaml"
-  cfg.write_text("local:\n  directory: /dev/shm/x\npersistent:\n  directory: ${EC_UNSET_ROOT}/run\n")
+  cfg.write_text(
+    "local:\n  directory: /dev/shm/x\npersistent:\n  directory: ${EC_UNSET_ROOT}/run\n"
+  )
   with pytest.raises(
     ec.ConfigError, match="persistent.directory: environment variable EC_UNSET_ROOT"
   ):
