@@ -141,3 +141,23 @@ class GcsServer:
 
   def __exit__(self, *exc) -> None:
     self.stop()
+
+
+def list_objects(server: GcsServer, bucket_url: str, prefix: str) -> dict[str, str]:
+  """{name: md5Hash} of the objects under `prefix`, listed straight from the
+  server (no client cache in between)."""
+  import urllib.parse  # noqa: PLC0415
+
+  bucket = bucket_url.removeprefix("gs://")
+  out, token = {}, None
+  while True:
+    query = {"prefix": prefix}
+    if token:
+      query["pageToken"] = token
+    url = f"{server.url}/storage/v1/b/{bucket}/o?{urllib.parse.urlencode(query)}"
+    with urllib.request.urlopen(url, timeout=10) as r:
+      doc = json.load(r)
+    out.update({o["name"]: o.get("md5Hash", "") for o in doc.get("items", [])})
+    token = doc.get("nextPageToken")
+    if not token:
+      return out

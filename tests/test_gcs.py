@@ -7,10 +7,7 @@ the job's processes inherit.
 
 from __future__ import annotations
 
-import json
-import urllib.parse
-import urllib.request
-
+from tests.gcs_server import list_objects
 from tests.mpjob import run_job
 
 TIMEOUT_S = 240
@@ -18,19 +15,7 @@ TIMEOUT_S = 240
 
 def _objects(server, bucket_url: str, prefix: str) -> list[str]:
   """Object names under `prefix`, listed straight from the server."""
-  bucket = bucket_url.removeprefix("gs://")
-  names, token = [], None
-  while True:
-    query = {"prefix": prefix}
-    if token:
-      query["pageToken"] = token
-    url = f"{server.url}/storage/v1/b/{bucket}/o?{urllib.parse.urlencode(query)}"
-    with urllib.request.urlopen(url, timeout=10) as r:
-      doc = json.load(r)
-    names += [o["name"] for o in doc.get("items", [])]
-    token = doc.get("nextPageToken")
-    if not token:
-      return sorted(names)
+  return sorted(list_objects(server, bucket_url, prefix))
 
 
 def test_save_and_restore_on_gcs(gcs_server, gcs_bucket, shm_dir):

@@ -22,6 +22,7 @@ from emergency_ckpt import storage
 from emergency_ckpt.errors import StorageError
 from emergency_ckpt.storage import RetryPolicy, StorageNotFoundError
 from tests.gcs_proxy import ENV_VAR
+from tests.gcs_server import list_objects
 from tests.mpjob import run_job
 
 NO_OUTER_RETRY = RetryPolicy(attempts=1)  # success then proves the client retried
@@ -29,19 +30,7 @@ NO_OUTER_RETRY = RetryPolicy(attempts=1)  # success then proves the client retri
 
 def _objects(server, bucket_url: str, prefix: str) -> dict[str, str]:
   """{name: md5Hash} under `prefix`, listed straight from the server."""
-  bucket = bucket_url.removeprefix("gs://")
-  out, token = {}, None
-  while True:
-    query = {"prefix": prefix}
-    if token:
-      query["pageToken"] = token
-    url = f"{server.url}/storage/v1/b/{bucket}/o?{urllib.parse.urlencode(query)}"
-    with urllib.request.urlopen(url, timeout=10) as r:
-      doc = json.load(r)
-    out.update({o["name"]: o.get("md5Hash", "") for o in doc.get("items", [])})
-    token = doc.get("nextPageToken")
-    if not token:
-      return out
+  return list_objects(server, bucket_url, prefix)
 
 
 def _get(server, bucket_url: str, name: str) -> bytes | None:
