@@ -22,6 +22,7 @@ from etils import epath
 from emergency_ckpt import failpoints, peer, persistent_tier, policies, restore_plan
 from emergency_ckpt import shards as shards_lib
 from emergency_ckpt.errors import (
+  CollectiveTimeoutError,
   CorruptCheckpointError,
   DataStateError,
   EmergencyCheckpointError,
@@ -404,7 +405,24 @@ class CheckpointManager:
     of background work."""
     self._local.wait()
     # Orbax's finalize queues persistent retention: wait for it first.
-    self._persistent.wait_until_finished()
+    try:
+      self._persistent.wait_until_finished()
+    except Exception as e:
+      if "DEADLINE" not in str(e) and "timed out" not in str(e).lower():
+        raise
+      # Orbax's barrier gave up (after collective_timeout_s) without naming
+      # who is missing: one short exchange over the primary slice names them.
+      self._collectives.exchange(
+        "persistent_barrier_probe",
+        None,
+        processes=self._topology.slice_processes[0],
+        timeout_s=min(10.0, self._options.collective_timeout_s),
+      )
+      raise CollectiveTimeoutError(
+        f"{self._topology.log_prefix()} the persistent upload's barrier timed out ({e});"
+        " every process of the primary slice answered afterwards, so one was only slow:"
+        " raise collective_timeout_s."
+      ) from e
     while True:
       with self._lock:
         pending = [f for f in self._pending if not f.done()]
