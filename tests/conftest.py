@@ -13,6 +13,16 @@ import pytest  # noqa: E402
 
 
 @pytest.fixture
+def mesh():
+  """A one-slice mesh over this process's devices: axes (replica=1, data)."""
+  import jax  # noqa: PLC0415
+  import numpy as np  # noqa: PLC0415
+  from jax.sharding import Mesh  # noqa: PLC0415
+
+  return Mesh(np.array(jax.devices()).reshape(1, -1), ("replica", "data"))
+
+
+@pytest.fixture
 def shm_dir():
   """A fresh directory on a real tmpfs (/dev/shm), removed afterwards."""
   import shutil  # noqa: PLC0415

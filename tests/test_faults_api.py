@@ -13,21 +13,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import emergency_ckpt as ec
 from emergency_ckpt import failpoints, local_tier
 from tests.fault_matrix import excerpt
+from tests.single_slice import state as _state
 
 PACKAGE = os.path.join(
   os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "emergency_ckpt"
 )
-
-
-@pytest.fixture
-def mesh():
-  return Mesh(np.array(jax.devices()).reshape(1, -1), ("replica", "data"))
 
 
 @pytest.fixture
@@ -39,10 +35,6 @@ def options(shm_dir):
     ),
     run_id="api",
   )
-
-
-def _state(mesh, value: float):
-  return {"w": jax.device_put(jnp.full((4, 2), value, jnp.float32), NamedSharding(mesh, P()))}
 
 
 def _abstract(mesh):

@@ -11,15 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import emergency_ckpt as ec
-
-
-@pytest.fixture
-def mesh():
-  return Mesh(np.array(jax.devices()).reshape(1, -1), ("replica", "data"))
+from tests.single_slice import state as _state
 
 
 def _options(shm_dir, **kw) -> ec.CheckpointManagerOptions:
@@ -33,10 +29,6 @@ def _options(shm_dir, **kw) -> ec.CheckpointManagerOptions:
     run_id="lifecycle",
     **kw,
   )
-
-
-def _state(mesh, value: float):
-  return {"w": jax.device_put(jnp.full((4, 2), value, jnp.float32), NamedSharding(mesh, P()))}
 
 
 def _abstract(mesh):

@@ -8,15 +8,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import emergency_ckpt as ec
-
-
-@pytest.fixture
-def mesh():
-  return Mesh(np.array(jax.devices()).reshape(1, -1), ("replica", "data"))
+from tests.single_slice import state as _state
 
 
 @pytest.fixture
@@ -28,10 +24,6 @@ def options(shm_dir):
     ),
     run_id="single",
   )
-
-
-def _state(mesh, value: float):
-  return {"w": jax.device_put(jnp.full((4, 2), value, jnp.float32), NamedSharding(mesh, P()))}
 
 
 def _abstract(mesh, shape=(4, 2), dtype=jnp.float32):
