@@ -2,12 +2,18 @@
 
 Layout (per process; nobody else reads it):
   <directory>/<run_id>/process_<i>/step_<N>/shards.bin     raw shard bytes
-  <directory>/<run_id>/process_<i>/step_<N>/manifest.json  tree, shards, crc32s
+  <directory>/<run_id>/process_<i>/step_<N>/manifest.json  tree, shards, CRC32Cs
   <directory>/<run_id>/process_<i>/.tmp-step_<N>-<uuid>/   a save in progress
 
 A step exists only once its folder is renamed from .tmp-*, after both files are
 written, so a crash never leaves a listed partial step. Every shard carries a
-CRC32 checked on read; the manifest carries one over its own body.
+CRC32C (hardware, ~8 GB/s here; zlib's CRC32 was 3x slower and a third of a
+local save) checked on read; the manifest carries a CRC32 over its own body.
+
+Reads map shards.bin (no copy into a private buffer): on CPU the restored
+arrays alias those pages (copy-on-write), so a restore costs one checksum pass.
+Files are never modified in place (written to .tmp-*, renamed, deleted by
+rename + unlink), so a mapping never sees its file shrink.
 
 Why not Orbax here: Orbax's local handlers (zarr3 + zstd through tensorstore,
 with barriers across processes) measured 6.2x a raw ramdisk write on this
@@ -21,6 +27,7 @@ import concurrent.futures
 import dataclasses
 import json
 import logging
+import mmap
 import os
 import re
 import shutil
@@ -32,6 +39,7 @@ import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import crc32c
 import numpy as np
 
 from emergency_ckpt import failpoints
@@ -50,6 +58,30 @@ logger = logging.getLogger("emergency_ckpt")
 FORMAT = "emergency_ckpt.local/1"
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _CHUNK = 64 << 20
+_PAGE = mmap.PAGESIZE
+
+
+def shard_checksum(data) -> dict:
+  """The checksum record of one shard's bytes (any buffer)."""
+  return {"crc32c": crc32c.crc32c(data)}
+
+
+def checksum_ok(data, record: dict) -> bool:
+  """True if `data` matches the shard record's checksum (CRC32C, or the
+  CRC32 of manifests written before 0.2)."""
+  if "crc32c" in record:
+    return crc32c.crc32c(data) == record["crc32c"]
+  if "crc32" in record:
+    return zlib.crc32(data) == record["crc32"]
+  return False
+
+
+def aligned_empty(nbytes: int) -> np.ndarray:
+  """An uninitialised uint8 buffer whose start is page-aligned (so views at
+  shards.ALIGN offsets can be aliased by jax CPU arrays without a copy)."""
+  raw = np.empty(nbytes + _PAGE, dtype=np.uint8)
+  start = (-raw.ctypes.data) % _PAGE
+  return raw[start : start + nbytes]
 
 
 def secure_makedirs(path: str, *, shared_ok: bool = False) -> None:
@@ -125,25 +157,59 @@ class WriteResult:
 
 
 class _BufferPool:
-  """At most `count` host buffers; acquire blocks while all are in use."""
+  """Host staging buffers. At most `count` local writes hold one at a time
+  (acquire blocks while all are writing); a buffer that something else still
+  reads (a background persistent upload, see hold) goes back to the free list
+  only when that reader lets go too."""
 
   def __init__(self, count: int):
     self._sem = threading.Semaphore(count)
+    self._count = count
     self._lock = threading.Lock()
     self._free: list[np.ndarray] = []
+    self._holders: dict[int, int] = {}  # id(buffer) -> readers besides the write
+    self._writing: set[int] = set()  # id(buffer) of buffers a local write holds
 
   def acquire(self, nbytes: int) -> np.ndarray:
     self._sem.acquire()
     with self._lock:
-      for i, buf in enumerate(self._free):
-        if buf.nbytes == nbytes:
-          return self._free.pop(i)
-      self._free.clear()  # the layout changed: drop old sizes
-    return np.zeros(nbytes, dtype=np.uint8)
+      i = next((i for i, b in enumerate(self._free) if b.nbytes == nbytes), None)
+      if i is None:
+        self._free.clear()  # the layout changed: drop old sizes
+        buf = None
+      else:
+        buf = self._free.pop(i)
+    if buf is None:
+      buf = aligned_empty(nbytes)
+    with self._lock:
+      self._writing.add(id(buf))
+    return buf
+
+  def hold(self, buf: np.ndarray) -> None:
+    """One more reader of `buf`; it must call unhold(buf) when done."""
+    with self._lock:
+      self._holders[id(buf)] = self._holders.get(id(buf), 0) + 1
+
+  def unhold(self, buf: np.ndarray) -> None:
+    with self._lock:
+      left = self._holders[id(buf)] - 1
+      if left:
+        self._holders[id(buf)] = left
+        return
+      del self._holders[id(buf)]
+      if id(buf) not in self._writing:
+        self._put_back(buf)
+
+  def _put_back(self, buf: np.ndarray) -> None:
+    if len(self._free) <= self._count:
+      self._free.append(buf)
 
   def release(self, buf: np.ndarray) -> None:
+    """The local write of `buf` is done (frees a write slot at once)."""
     with self._lock:
-      self._free.append(buf)
+      self._writing.discard(id(buf))
+      if id(buf) not in self._holders:
+        self._put_back(buf)
     self._sem.release()
 
 
@@ -281,7 +347,7 @@ class LocalTier:
                 "index": [list(r) for r in slot.index],
                 "offset": slot.offset,
                 "nbytes": slot.nbytes,
-                "crc32": zlib.crc32(buf[slot.offset : slot.offset + slot.nbytes]),
+                **shard_checksum(buf[slot.offset : slot.offset + slot.nbytes]),
               }
               for slot in leaf.slots
             ],
@@ -340,14 +406,7 @@ class LocalTier:
     saved = {leaf["path"]: leaf for leaf in body["leaves"]}
     check_tree_matches(list(saved), paths, where)
     layout = shards_lib.layout_for(paths, abstract)
-    buf = np.empty(body["nbytes"], dtype=np.uint8)
-    with open(os.path.join(where, "shards.bin"), "rb", buffering=0) as f:
-      got = f.readinto(memoryview(buf))
-      if got != body["nbytes"] or f.read(1):
-        raise CorruptCheckpointError(
-          f"{where}/shards.bin has the wrong size (read {got} bytes,"
-          f" manifest says {body['nbytes']})"
-        )
+    buf = map_file(os.path.join(where, "shards.bin"), body["nbytes"], where)
     out = []
     for leaf in layout.leaves:
       rec = saved[leaf.path]
@@ -369,7 +428,7 @@ class LocalTier:
             " saved with another sharding. Restore it from the persistent tier."
           )
         data = buf[s["offset"] : s["offset"] + s["nbytes"]]
-        if zlib.crc32(data) != s["crc32"]:
+        if not checksum_ok(data, s):
           raise CorruptCheckpointError(
             f"{where}/shards.bin: leaf {leaf.path} shard {slot.index} fails its checksum"
           )
@@ -406,6 +465,25 @@ def check_tree_matches(saved_paths: Sequence[str], paths: Sequence[str], where: 
   )
 
 
+def map_file(path: str, nbytes: int, where: str) -> np.ndarray:
+  """`path`'s bytes as a uint8 array backed by a private (copy-on-write)
+  mapping: nothing is copied, and writes through the array never reach the
+  file. Raises CorruptCheckpointError if the size is not `nbytes`."""
+  with open(path, "rb") as f:
+    size = os.fstat(f.fileno()).st_size
+    if size != nbytes:
+      raise CorruptCheckpointError(
+        f"{where}/shards.bin has the wrong size ({size} bytes, manifest says {nbytes})"
+      )
+    if nbytes == 0:
+      return np.empty(0, dtype=np.uint8)
+    # No MAP_POPULATE: on a writable private mapping it would copy every page.
+    mapped = mmap.mmap(
+      f.fileno(), nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
+    )
+  return np.frombuffer(mapped, dtype=np.uint8)
+
+
 def verify_step_dir(path: str) -> tuple[dict | None, list[str]]:
   """(manifest body or None, problems) for one local step folder, checking
   the manifest and every shard's CRC32 without JAX. Any process may call it."""
@@ -416,16 +494,14 @@ def verify_step_dir(path: str) -> tuple[dict | None, list[str]]:
   except (OSError, CorruptCheckpointError) as e:
     return None, [str(e)]
   try:
-    with open(os.path.join(path, "shards.bin"), "rb") as f:
-      buf = np.frombuffer(f.read(), dtype=np.uint8)
+    buf = map_file(os.path.join(path, "shards.bin"), body["nbytes"], path)
   except OSError as e:
     return body, [f"{path}/shards.bin: {e}"]
-  if buf.nbytes != body["nbytes"]:
-    problems.append(f"{path}/shards.bin has {buf.nbytes} bytes, manifest says {body['nbytes']}")
-    return body, problems
+  except CorruptCheckpointError as e:
+    return body, [str(e)]
   for leaf in body["leaves"]:
     for s in leaf["shards"]:
-      if zlib.crc32(buf[s["offset"] : s["offset"] + s["nbytes"]]) != s["crc32"]:
+      if not checksum_ok(buf[s["offset"] : s["offset"] + s["nbytes"]], s):
         problems.append(f"{path}: leaf {leaf['path']} shard {s['index']} fails its checksum")
   return body, problems
 

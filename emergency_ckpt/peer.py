@@ -99,7 +99,7 @@ def transfer(
         piece = np.zeros(piece_shape, carrier)
       devices.append(device)
       pieces.append(piece)
-    placed = jax.device_put(pieces, devices)
+    placed = jax.device_put(pieces, devices, may_alias=True)
     globals_.append(jax.make_array_from_single_device_arrays(ext_shape, ext_sharding, placed))
     dtypes.append(dtype)
     factors.append(factor)
