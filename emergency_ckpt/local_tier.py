@@ -302,6 +302,26 @@ class LocalTier:
       raise
     return Staged(step, layout, buffer, time.perf_counter() - t0)
 
+  def hold(self, staged: Staged) -> Callable[[], None]:
+    """Keeps `staged.buffer` from reuse (for another reader, e.g. a
+    background upload) until the returned function is called, once."""
+    self._pool.hold(staged.buffer)
+    return lambda: self._pool.unhold(staged.buffer)
+
+  def snapshot_arrays(self, staged: Staged, abstract: Sequence[Any]) -> list[Any]:
+    """Global jax.Arrays for `abstract` built from the staged host copy (on
+    CPU they alias it: hold() the buffer while they live)."""
+    return [
+      shards_lib.assemble(
+        a, {slot.index: shards_lib.view(staged.buffer, leaf, slot) for slot in leaf.slots}
+      )
+      for a, leaf in zip(abstract, staged.layout.leaves)
+    ]
+
+  def discard(self, staged: Staged) -> None:
+    """Gives back a staged step that will not be written locally."""
+    self._pool.release(staged.buffer)
+
   def write_async(
     self, staged: Staged, on_done: Callable[[WriteResult], None] | None = None
   ) -> concurrent.futures.Future:

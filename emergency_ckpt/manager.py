@@ -119,6 +119,9 @@ class CheckpointManager:
       on_finalized=self._persistent_finalized,
       timeout_s=options.collective_timeout_s,
     )
+    # CPU devices: the persistent upload reads the staged snapshot in the
+    # background (see persistent_tier); accelerators: Orbax copies inline.
+    self._upload_snapshots = all(d.platform == "cpu" for d in mesh.local_devices)
     self._state_writer = concurrent.futures.ThreadPoolExecutor(1, "ec-state-write")
     self._committer = concurrent.futures.ThreadPoolExecutor(1, "ec-state-commit")
     self._lock = threading.Lock()
@@ -192,9 +195,9 @@ class CheckpointManager:
 
     Called by: every process, with the same steps. Blocks only on the host
     copy of this process's shards (plus, on the primary slice at persistent
-    steps, Orbax's own host copy, and the previous upload if it still runs:
-    at most one is in flight); writes finish in the background. No
-    collective. Returns True if any tier saved.
+    steps, the previous upload if it still runs: at most one is in flight;
+    and on accelerators Orbax's own device-to-host copy); writes finish in
+    the background. No collective. Returns True if any tier saved.
     """
     self._check_open()
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
@@ -219,7 +222,7 @@ class CheckpointManager:
     if len(self._save_t0) > 64:  # durable events of older steps came long ago
       self._save_t0.pop(min(self._save_t0))
     metrics = _check_metrics(metrics)
-    paths, leaves, _ = shards_lib.leaf_paths(state)
+    paths, leaves, treedef = shards_lib.leaf_paths(state)
     self._raise_background_errors()
     self._metrics[step] = metrics
     self._info[step] = {
@@ -231,16 +234,34 @@ class CheckpointManager:
       ],
     }
     nbytes = 0
-    if decision.local:
+    persistent = decision.persistent and self._topology.is_primary_slice
+    staged = None
+    if decision.local or (persistent and self._upload_snapshots):
       staged = self._local.stage(step, paths, leaves)
-      nbytes = staged.layout.nbytes
       logger.debug("%s step %d staged in %.3fs", self._topology.log_prefix(), step, staged.stall_s)
+    release = None
+    if persistent and self._upload_snapshots:
+      release = self._local.hold(staged)  # before the local write can free it
+    if decision.local:
+      nbytes = staged.layout.nbytes
       self._track(
         self._local.write_async(staged, on_done=lambda r: self._after_local(r, data_state))
       )
     else:
+      if staged is not None:
+        self._local.discard(staged)
       self._queue_state(step, data_state)
-    if decision.persistent and self._topology.is_primary_slice:
+    if persistent and self._upload_snapshots:
+      abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in leaves]
+      self._persistent.save_snapshot(
+        step,
+        state,
+        lambda: jax.tree_util.tree_unflatten(
+          treedef, self._local.snapshot_arrays(staged, abstract)
+        ),
+        release,
+      )
+    elif persistent:
       self._persistent.save(step, state)
     self._last_step = step
     self._events.record(

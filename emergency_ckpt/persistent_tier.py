@@ -7,12 +7,22 @@ state is replicated over the replica axis), so no copy is made. Restored by ever
 through Orbax, each reading the shards it needs straight from storage (no
 broadcast, so values come back bit-exact), onto any topology.
 
+Where the primary slice's devices are CPUs (host memory is device memory,
+and Orbax's "device-to-host copy" is a zero-copy view), save() does not call
+Orbax on the trainer's thread: save_snapshot() hands Orbax arrays that alias
+the local tier's staged host copy (an immutable snapshot: the trainer may
+donate or overwrite its arrays as soon as save() returns) and runs the Orbax
+save on a background thread, so the save() stall is the staging copy alone.
+On accelerators, save() calls Orbax inline: its device-to-host copy must end
+before the trainer may touch the arrays again.
+
 Compression: Orbax's default (zstd in zarr3/OCDBT) on purpose: the network to
 GCS is the bottleneck of this tier, unlike the ramdisk tier.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import time
@@ -212,6 +222,8 @@ class PersistentTier:
     self._manager = None
     self._on_finalized = on_finalized
     self._saving_step: int | None = None
+    self._upload: concurrent.futures.Future | None = None  # save_snapshot's, if any
+    self._uploader = concurrent.futures.ThreadPoolExecutor(1, "ec-persistent-upload")
     # Every process, before anything waits on another: a missing bucket fails
     # each of them at once, naming it (on GCS; no-op elsewhere).
     check_bucket(options.directory, "opening the persistent directory")
@@ -267,25 +279,20 @@ class PersistentTier:
 
   def busy(self) -> bool:
     """True while this process's previous upload is still running."""
+    if self._upload is not None and not self._upload.done():
+      return True
     return self._manager is not None and self._manager.is_saving_in_progress()
 
-  def save(self, step: int, tree: Any) -> None:
-    """Starts an async save. Called by: every process of the primary slice.
-
-    Blocks on Orbax's host copy of the shards, and, if the previous upload is
-    still running, on that upload: at most ONE upload is in flight. Waiting
-    (rather than skipping this save) needs no agreement between the primary
-    slice's processes (a skip decided per process would split them across
-    Orbax's barriers) and keeps the persistent tier's promised interval; a
-    warning says how long it waited."""
-    ocp = _ocp()
-    assert self._manager is not None, "only the primary slice saves persistently"
-    check_replicated(tree, self._topology.replica_axis_name)
-    failpoints.hit("persistent.before_save", step)
+  def _wait_previous(self, step: int) -> None:
+    """At most ONE upload is in flight: waits for the previous one (and
+    re-raises its error). Waiting (rather than skipping this save) needs no
+    agreement between the primary slice's processes (a skip decided per
+    process would split them across Orbax's barriers) and keeps the
+    persistent tier's promised interval; a warning says how long it waited."""
     if self.busy():
       t0 = time.monotonic()
       previous = self._saving_step
-      self._manager.wait_until_finished()
+      self._wait_all()
       logger.warning(
         "%s persistent save of step %d waited %.1fs for the upload of step %s (at most one"
         " upload is in flight): the bucket is slower than persistent.save_interval_steps"
@@ -295,9 +302,56 @@ class PersistentTier:
         time.monotonic() - t0,
         previous,
       )
-    self._saving_step = step
-    self._manager.save(step, args=ocp.args.PyTreeSave(tree))
+    upload, self._upload = self._upload, None
+    try:
+      if upload is not None:
+        upload.result()  # a finished upload's error surfaces here
+    except Exception as e:
+      raise self._translate(e) from e
+
+  def _start(self, step: int, tree: Any) -> None:
+    failpoints.hit("persistent.before_save", step)
+    self._saving_step = step  # before save: the finalize callback reads it
+    try:
+      self._manager.save(step, args=_ocp().args.PyTreeSave(tree))
+    except Exception as e:  # Orbax re-raises the previous upload's error here too
+      raise self._translate(e) from e
     failpoints.hit("persistent.after_save_call", step)
+
+  def save(self, step: int, tree: Any) -> None:
+    """Starts an async save of device arrays. Called by: every process of the
+    primary slice. Blocks on Orbax's device-to-host copy of the shards, and on
+    the previous upload if it still runs (see _wait_previous)."""
+    assert self._manager is not None, "only the primary slice saves persistently"
+    check_replicated(tree, self._topology.replica_axis_name)
+    self._wait_previous(step)
+    self._start(step, tree)
+
+  def save_snapshot(
+    self, step: int, tree: Any, make_tree: Callable[[], Any], release: Callable[[], None]
+  ) -> None:
+    """Starts a save of an immutable host snapshot of `tree` (CPU devices
+    only): `make_tree()` builds arrays aliasing the snapshot, on the upload
+    thread; `release()` runs once Orbax no longer reads it (the upload ended
+    or failed). Called by: every process of the primary slice, in the same
+    step order. Blocks only on the previous upload (see _wait_previous)."""
+    assert self._manager is not None, "only the primary slice saves persistently"
+    try:
+      check_replicated(tree, self._topology.replica_axis_name)
+      self._wait_previous(step)
+    except BaseException:
+      release()
+      raise
+
+    def upload() -> None:
+      try:
+        self._start(step, make_tree())
+        self._manager.wait_until_finished()
+      finally:
+        release()
+
+    self._saving_step = step
+    self._upload = self._uploader.submit(upload)
 
   def delete(self, step: int) -> None:
     """Deletes `step` (finalization marker first). Called by: the primary process."""
@@ -311,11 +365,29 @@ class PersistentTier:
       _check_matches(ckptr.metadata(path), abstract_tree, path)
       return ckptr.restore(path, args=ocp.args.StandardRestore(abstract_tree))
 
+  def _wait_all(self) -> None:
+    upload, self._upload = self._upload, None
+    try:
+      if upload is not None:
+        upload.result()  # re-raises the upload's error
+      if self._manager is not None:
+        self._manager.wait_until_finished()
+    except Exception as e:
+      raise self._translate(e) from e
+
+  def _translate(self, e: BaseException) -> BaseException:
+    return storage.translate(e, what=f"uploading step {self._saving_step} to", path=self.directory)
+
   def wait_until_finished(self) -> None:
-    if self._manager is not None:
-      self._manager.wait_until_finished()
+    """Blocks until the last upload is durable; re-raises its error."""
+    self._wait_all()
 
   def close(self) -> None:
+    try:
+      if self._upload is not None:
+        concurrent.futures.wait([self._upload])
+    finally:
+      self._uploader.shutdown(wait=True)
     if self._manager is not None:
       self._manager.close()
       self._manager = None

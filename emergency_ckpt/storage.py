@@ -276,6 +276,25 @@ def _is_storage_exception(exc: BaseException) -> bool:
   return isinstance(exc, HttpError)
 
 
+def translate(exc: BaseException, *, what: str, path: epath.PathLike) -> BaseException:
+  """The error to raise for `exc` from a storage call we do not drive
+  ourselves (Orbax's upload, which retries through its own clients): on GCS a
+  storage failure becomes a StorageError naming the bucket and operation;
+  anything else (a barrier timeout, a bug) is returned unchanged."""
+  if not is_gcs(path) or isinstance(exc, StorageError) or not _is_storage_exception(exc):
+    return exc
+  bucket = bucket_of(path)
+  if classify(exc) == TRANSIENT:
+    detail = "transient errors outlasted the client's own retries"
+    hint = " Check the bucket's availability and the network."
+  else:
+    detail = "a permanent error; not retried"
+    hint = _hint(exc)
+  return StorageError(
+    f"{what} {os.fspath(path)} failed on GCS bucket {bucket!r}: {_brief(exc)} ({detail}).{hint}"
+  )
+
+
 # ---- wrappers: what the state store and the manager call ------------------------
 def write_bytes(path: epath.PathLike, data: bytes, *, policy: RetryPolicy | None = None) -> None:
   """Whole-or-nothing write: rename on filesystems, one upload on GCS (an
