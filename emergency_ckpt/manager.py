@@ -622,12 +622,15 @@ class CheckpointManager:
   def _execute(self, plan, abstract_state, paths, abstract, treedef, local):
     topo = self._topology
     if plan.peer_source is not None:
+      intact = [s for s, src in enumerate(plan.sources) if src == restore_plan.LOCAL]
+      intact.sort(key=lambda s: s != plan.peer_source)  # the planned source first
       arrays = peer.transfer(
         abstract,
-        None if local is None else local.arrays,
+        local.arrays if plan.sources[topo.slice_index] == restore_plan.LOCAL else None,
         mesh=self._mesh,
         replica_axis=topo.replica_axis_name,
-        is_source=topo.slice_index == plan.peer_source,
+        intact=intact,
+        lost=[s for s, src in enumerate(plan.sources) if src == restore_plan.PEER],
       )
       return jax.tree_util.tree_unflatten(treedef, arrays)
     if plan.sources[topo.slice_index] == restore_plan.LOCAL:

@@ -1,13 +1,16 @@
-"""Moving a step from a source slice to slices that lost it, bit-exactly.
+"""Moving a step from slices that hold it to slices that lost it, bit-exactly.
 
-Every process puts its shards into a (replicas, ...) array sharded over the
-replica axis: the source slice contributes the real bytes, every other slice
-zeros. One jitted integer sum over the replica axis then delivers the source's
-bytes everywhere. The values travel bit-cast to unsigned integers, and x + 0
-is exact for integers, so -0.0, denormals and NaN payloads survive (Orbax's
-float sum-with-zeros loses them).
+Point to point: one jitted shard_map over the mesh runs a collective permute
+over the replica axis from an intact slice to each slice that lost its copy
+(lost slices are assigned to intact sources round-robin, so with several
+intact slices the sends run in parallel). Intact slices keep their own
+(verified) shards; only the lost slices receive, and only once. The values
+travel bit-cast to unsigned integers and are merged with a select, never
+arithmetic, so -0.0, denormals and NaN payloads survive (Orbax's broadcast is
+a float sum-with-zeros that loses them).
 
-Called by: every process (it is one XLA collective); blocks until it is done.
+Called by: every process (it is one XLA program with collectives); blocks
+until it is done.
 """
 
 from __future__ import annotations
@@ -54,55 +57,100 @@ def check_peer_compatible(
   return None
 
 
+def routes(intact: Sequence[int], lost: Sequence[int]) -> list[list[tuple[int, int]]]:
+  """Rounds of (source, destination) slice pairs: every lost slice gets one
+  sender; within a round no slice sends or receives twice (a permutation)."""
+  if not intact:
+    raise TopologyError("a peer transfer needs at least one intact slice")
+  rounds: list[list[tuple[int, int]]] = []
+  for i, dst in enumerate(lost):
+    r, k = divmod(i, len(intact))
+    if r == len(rounds):
+      rounds.append([])
+    rounds[r].append((intact[k], dst))
+  return rounds
+
+
 @functools.lru_cache(maxsize=8)
-def _summer(dtypes: tuple, factors: tuple, out_shardings: tuple):
-  def run(xs):
+def _mover(mesh, replica_axis: str, specs: tuple, dtypes: tuple, factors: tuple, rounds: tuple):
+  """The jitted transfer for leaves with these (spec, tail) partition specs."""
+
+  def body(*xs):
     outs = []
     for x, dtype, factor in zip(xs, dtypes, factors):
-      total = jnp.sum(x, axis=0, dtype=x.dtype)
+      # A device that receives nothing in a round gets zeros, and each lost
+      # slice receives in exactly one round: OR-ing the rounds is exact.
+      got = None
+      for pairs in rounds:
+        moved = jax.lax.ppermute(x, replica_axis, perm=list(pairs))
+        got = moved if got is None else got | moved
+      y = got[0]
       if dtype == np.bool_:
-        outs.append(total.astype(jnp.bool_))
-      elif factor == 1 and total.dtype == dtype:
-        outs.append(total)
-      else:
-        outs.append(jax.lax.bitcast_convert_type(total, dtype))
+        y = y.astype(jnp.bool_)
+      elif factor > 1 or y.dtype != dtype:
+        y = jax.lax.bitcast_convert_type(y, dtype)
+      outs.append(y)
     return outs
 
-  return jax.jit(run, out_shardings=list(out_shardings))
+  in_specs = tuple(PartitionSpec(replica_axis, *spec, *tail) for spec, tail in specs)
+  out_specs = [PartitionSpec(*spec) for spec, _ in specs]
+  fn = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+  return jax.jit(fn)
 
 
 def transfer(
-  abstract: Sequence, local: Sequence[dict] | None, *, mesh, replica_axis: str, is_source: bool
+  abstract: Sequence,
+  local: Sequence[dict] | None,
+  *,
+  mesh,
+  replica_axis: str,
+  intact: Sequence[int],
+  lost: Sequence[int],
 ) -> list[jax.Array]:
-  """Returns the source slice's arrays on every process of every slice.
-
-  `local`: this process's verified host shards per leaf (needed on the source
-  slice only; ignored elsewhere).
-  """
+  """Returns the step's arrays on every process: intact slices keep `local`
+  (this process's verified host shards per leaf), lost slices receive them
+  from an intact slice. `intact`/`lost`: slice indices (the same on every
+  process)."""
   num = mesh.shape[replica_axis]
-  globals_, dtypes, factors, outs = [], [], [], []
+  have = local is not None
+  globals_, dtypes, factors, specs = [], [], [], []
   for i, leaf in enumerate(abstract):
     dtype = np.dtype(jnp.dtype(leaf.dtype))
     carrier, factor = _carrier(dtype)
     shape = tuple(leaf.shape)
     spec = tuple(leaf.sharding.spec) + (None,) * (len(shape) - len(leaf.sharding.spec))
-    ext_shape = (num, *shape) + ((factor,) if factor > 1 else ())
-    ext_spec = PartitionSpec(replica_axis, *spec, *((None,) if factor > 1 else ()))
-    ext_sharding = NamedSharding(mesh, ext_spec)
+    tail = (factor,) if factor > 1 else ()
+    ext_shape = (num, *shape, *tail)
+    ext_sharding = NamedSharding(mesh, PartitionSpec(replica_axis, *spec, *((None,) * len(tail))))
     devices, pieces = [], []
     for device, idx in ext_sharding.addressable_devices_indices_map(ext_shape).items():
       index = shards_lib.normalize_index(idx, ext_shape)[1 : 1 + len(shape)]
-      piece_shape = (1, *shards_lib.shard_shape(index)) + ((factor,) if factor > 1 else ())
-      if is_source:
+      piece_shape = (1, *shards_lib.shard_shape(index), *tail)
+      if have:
         piece = local[i][index].view(carrier).reshape(piece_shape)
-      else:
-        piece = np.zeros(piece_shape, carrier)
+      else:  # overwritten by the transfer; never read
+        piece = np.empty(piece_shape, carrier)
       devices.append(device)
       pieces.append(piece)
     placed = jax.device_put(pieces, devices, may_alias=True)
     globals_.append(jax.make_array_from_single_device_arrays(ext_shape, ext_sharding, placed))
     dtypes.append(dtype)
     factors.append(factor)
-    outs.append(leaf.sharding)
-  fn = _summer(tuple(dtypes), tuple(factors), tuple(outs))
-  return fn(globals_)
+    specs.append((spec, (None,) * len(tail)))
+  rounds = tuple(tuple(pairs) for pairs in routes(list(intact), list(lost)))
+  fn = _mover(mesh, replica_axis, tuple(specs), tuple(dtypes), tuple(factors), rounds)
+  outs = fn(*globals_)
+  if have:  # an intact slice keeps its own verified shards (aliased on CPU),
+    # after its sends are done (returning earlier could let the process exit
+    # or free the sources mid-transfer)
+    jax.block_until_ready(outs)
+    return [shards_lib.assemble(a, by_index) for a, by_index in zip(abstract, local)]
+  # A lost slice takes the received shards, rewrapped under exactly the
+  # requested sharding (shard_map spells an equivalent one differently, and
+  # device_put would reshard: a full copy).
+  return [
+    jax.make_array_from_single_device_arrays(
+      o.shape, a.sharding, [s.data for s in o.addressable_shards]
+    )
+    for o, a in zip(outs, abstract)
+  ]
