@@ -11,10 +11,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import dataclasses  # noqa: E402
 import json  # noqa: E402
+import mmap  # noqa: E402
 import random  # noqa: E402
 import shutil  # noqa: E402
 import stat  # noqa: E402
+import threading  # noqa: E402
 import time  # noqa: E402
+import zlib  # noqa: E402
 
 import jax  # noqa: E402
 import ml_dtypes  # noqa: E402
@@ -32,8 +35,11 @@ from emergency_ckpt.errors import (  # noqa: E402
 )
 from emergency_ckpt.local_tier import (  # noqa: E402
   LocalTier,
+  _BufferPool,
+  aligned_empty,
   decode_manifest,
   encode_manifest,
+  map_file,
   secure_makedirs,
 )
 from emergency_ckpt.options import LocalTierOptions  # noqa: E402
@@ -605,3 +611,97 @@ def test_manifest_json_is_self_describing(tier, state):
   for leaf in body["leaves"]:
     for s in leaf["shards"]:
       assert s["offset"] % shards_lib.ALIGN == 0
+
+
+# ---- checksums, mapped reads, buffer lifetimes -------------------------------------
+
+
+def test_manifest_of_an_older_version_with_crc32_still_verifies(tier, state):
+  """Manifests written before CRC32C carry zlib CRC32s: still read, still checked."""
+  save(tier, 1, state)
+  with open(_shards_path(tier, 1), "rb") as f:
+    data = f.read()
+
+  def to_crc32(body):
+    for leaf in body["leaves"]:
+      for s in leaf["shards"]:
+        del s["crc32c"]
+        s["crc32"] = zlib.crc32(data[s["offset"] : s["offset"] + s["nbytes"]])
+
+  edit_manifest(tier, 1, to_crc32)
+  assert same_bits(restore(tier, 1, abstract_of(state)), state)
+  edit_manifest(tier, 1, lambda body: body["leaves"][0]["shards"][0].update(crc32=1))
+  with pytest.raises(CorruptCheckpointError, match="fails its checksum"):
+    restore(tier, 1, abstract_of(state))
+
+
+def test_shard_without_any_checksum_is_corrupt(tier, state):
+  save(tier, 1, state)
+  edit_manifest(tier, 1, lambda body: body["leaves"][0]["shards"][0].pop("crc32c"))
+  with pytest.raises(CorruptCheckpointError, match="fails its checksum"):
+    restore(tier, 1, abstract_of(state))
+
+
+def test_restored_arrays_do_not_write_through_to_the_file(tier, state):
+  """read() maps shards.bin privately: writes to the returned host arrays
+  (what the restored CPU arrays alias) never reach the saved file."""
+  save(tier, 1, state)
+  with open(_shards_path(tier, 1), "rb") as f:
+    before = f.read()
+  paths, abstract, _ = shards_lib.leaf_paths(abstract_of(state))
+  local = tier.read(1, paths, abstract)
+  for by_index in local.arrays:
+    for arr in by_index.values():
+      arr.reshape(-1).view(np.uint8)[...] = 0xAB
+  with open(_shards_path(tier, 1), "rb") as f:
+    assert f.read() == before
+  assert same_bits(restore(tier, 1, abstract_of(state)), state)
+
+
+def test_restore_survives_deletion_of_the_step(tier, state):
+  """Restored arrays may alias the mapped file; deleting the step (retention)
+  must not change or invalidate them."""
+  save(tier, 1, state)
+  got = restore(tier, 1, abstract_of(state))
+  tier.delete(1)
+  assert tier.steps() == []
+  assert same_bits(got, state)
+
+
+def test_map_file_size_mismatch_is_corrupt(tmp_path):
+  path = tmp_path / "shards.bin"
+  path.write_bytes(b"x" * 10)
+  with pytest.raises(CorruptCheckpointError, match="wrong size"):
+    map_file(str(path), 11, str(tmp_path))
+  assert map_file(str(path), 10, str(tmp_path)).tobytes() == b"x" * 10
+
+
+def test_staging_buffers_are_page_aligned():
+  for n in (1, 4097, 1 << 20):
+    buf = aligned_empty(n)
+    assert buf.nbytes == n and buf.ctypes.data % mmap.PAGESIZE == 0
+
+
+def test_held_buffer_is_not_reused_until_released():
+  """A buffer a background reader holds (the persistent upload) never goes
+  to the next save while held, but comes back once released."""
+  pool = _BufferPool(1)
+  a = pool.acquire(64)
+  pool.hold(a)
+  pool.release(a)  # the local write finished; the reader still holds `a`
+  b = pool.acquire(64)
+  assert b is not a
+  pool.release(b)
+  pool.unhold(a)
+  got = {id(pool.acquire(64))}
+  assert got <= {id(a), id(b)}
+
+
+def test_acquire_blocks_only_on_writes_not_on_readers():
+  pool = _BufferPool(1)
+  a = pool.acquire(8)
+  pool.hold(a)
+  pool.release(a)
+  done = threading.Event()
+  threading.Thread(target=lambda: (pool.acquire(8), done.set()), daemon=True).start()
+  assert done.wait(5), "acquire blocked on a buffer only a reader holds"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -86,3 +87,27 @@ def test_local_dir_is_0700(options, mesh):
   with ec.CheckpointManager(options, mesh=mesh) as mngr:
     mode = os.stat(mngr.local_directory).st_mode & 0o777
   assert mode == 0o700
+
+
+def test_persistent_copy_is_the_state_at_save_time(options, mesh):
+  """save() returns before the persistent upload ends (on CPU it uploads the
+  staged snapshot in the background). Donating the arrays to the next train
+  step and reusing the staging buffer for the next local saves must not
+  change what lands in the persistent tier."""
+  sharding = NamedSharding(mesh, P())
+  x = jax.device_put(jnp.arange(1 << 20, dtype=jnp.float32), sharding)
+  step_fn = jax.jit(lambda s: {"w": s["w"] * 3 + 1}, donate_argnums=0)
+  want = np.asarray(x).copy()
+  state = {"w": x}
+  with ec.CheckpointManager(options, mesh=mesh) as mngr:
+    assert mngr.save(4, state)
+    for step in (5, 6, 7):  # 6: a local save into the staging buffer
+      state = step_fn(state)
+      mngr.save(step, state)
+    mngr.wait_until_finished()
+    abstract = {"w": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)}
+  shutil.rmtree(options.local.directory)
+  with ec.CheckpointManager(options, mesh=mesh) as mngr:
+    r = mngr.restore(abstract, step=4)
+  assert r.source == "persistent"
+  assert np.asarray(r.state["w"]).tobytes() == want.tobytes()
