@@ -106,7 +106,16 @@ class PersistentTierOptions:
   """Also keep the `keep_best` best steps by the manager's `best_metric`.
   None: off."""
 
+  compression: bool = False
+  """zstd (level 1) in Orbax's zarr3 chunks, Orbax's default. Off by default:
+  the same standard format uncompressed took half the CPU per upload on the
+  primary slice (0.75 vs 1.5 cpu-s per 256 MiB process) and restored 1.6x
+  faster from a cold cache, for 18% more bytes on float32 test weights
+  (see README, Persistent tier). Turn it on when the bucket's bandwidth, not
+  the hosts' CPU, bounds the upload."""
+
   def __post_init__(self):
+    _require(isinstance(self.compression, bool), "persistent.compression must be true or false.")
     _require(
       isinstance(self.directory, str) and bool(self.directory),
       "persistent.directory must be a non-empty path or gs:// URL.",

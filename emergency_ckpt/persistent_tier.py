@@ -251,7 +251,9 @@ class PersistentTier:
       self._manager = ocp.CheckpointManager(
         self.directory,
         item_handlers=ocp.PyTreeCheckpointHandler(
-          multiprocessing_options=mp, type_handler_registry=registry
+          multiprocessing_options=mp,
+          type_handler_registry=registry,
+          use_compression=options.compression,
         ),
         options=ocp.CheckpointManagerOptions(
           max_to_keep=None,  # retention is the manager's (policies.retain)
