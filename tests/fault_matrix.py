@@ -181,7 +181,7 @@ SCENARIOS: list[Scenario] = [
   _s(
     "local.flip_one_slice",
     "one bit flipped in process 1's shards.bin of step 5",
-    "CRC32 mismatch detected; slice 1 gets step 5 from slice 0 (peer), bit-exact",
+    "CRC32C mismatch detected; slice 1 gets step 5 from slice 0 (peer), bit-exact",
   ),
   _s(
     "local.flip_primary_slice",

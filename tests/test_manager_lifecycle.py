@@ -83,12 +83,15 @@ def test_local_retention_keep_best_and_period(shm_dir, mesh):
       mngr.save(step, _state(mesh, step), metrics={"acc": accs.get(step, 0.0)})
       mngr.wait_until_finished()
     # newest 9; every 5th: 5; best 1 by max acc: 7. Local retention runs
-    # when a write lands, before that step's state commits, so it also keeps
-    # 8, the newest committed step at that moment, until the next save.
-    assert _local_steps(mngr) == [5, 7, 8, 9]
+    # when a write lands, racing that step's state commit: if the commit has
+    # not landed yet it also keeps 8 (the newest committed step then), until
+    # the next save. Nothing else may survive, and none of 5, 7, 9 may go.
+    got = set(_local_steps(mngr))
+    assert {5, 7, 9} <= got <= {5, 7, 8, 9}, got
     mngr.save(10, _state(mesh, 10), metrics={"acc": 0.0})
     mngr.wait_until_finished()
-    assert _local_steps(mngr) == [5, 7, 9, 10]
+    got = set(_local_steps(mngr))
+    assert {5, 7, 10} <= got <= {5, 7, 9, 10}, got
     assert mngr.best_step() == 7
     r = mngr.restore(_abstract(mesh), step=mngr.best_step())
     assert r.step == 7 and r.source == "local"

@@ -141,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
   s = sub.add_parser(
     "verify",
     help="check markers and checksums; exit 1 if anything is bad",
-    description="Check local manifests and every shard's CRC32, and persistent state"
+    description="Check local manifests and every shard's CRC32C, and persistent state"
     " COMMIT markers. Exit status 1 if anything is bad or nothing was found.",
   )
   s.add_argument("dirs", nargs="+", metavar="DIR", help=dirs_help)
