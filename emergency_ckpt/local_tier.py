@@ -10,6 +10,12 @@ written, so a crash never leaves a listed partial step. Every shard carries a
 CRC32C (hardware, ~8 GB/s here; zlib's CRC32 was 3x slower and a third of a
 local save) checked on read; the manifest carries a CRC32 over its own body.
 
+Saves copy the shards straight into the ramdisk: after each save a
+background thread preallocates the next step's .tmp-*/shards.bin and maps it
+shared, so the save's copy IS the write (committing it is a checksum pass,
+the manifest and a rename). The ramdisk holds that one prepared file extra.
+If it cannot be made (ENOSPC), the save stages in host memory and write()s.
+
 Reads map shards.bin (no copy into a private buffer): on CPU the restored
 arrays alias those pages (copy-on-write), so a restore costs one checksum pass.
 Files are never modified in place (written to .tmp-*, renamed, deleted by
@@ -145,6 +151,50 @@ class Staged:
   layout: shards_lib.Layout
   buffer: np.ndarray
   stall_s: float
+  target: _Target | None = None
+  """Set when `buffer` is a mapped, preallocated shards.bin (no write needed)."""
+
+
+@dataclasses.dataclass
+class _Target:
+  """A preallocated shards.bin in its own .tmp- folder, mapped shared: a
+  save copies the shards straight into the ramdisk file, so committing it
+  needs no write() of the bytes (one copy instead of two). Prepared in the
+  background after each save, for the next one."""
+
+  tmp: str
+  nbytes: int
+  fd: int
+  mapped: mmap.mmap
+  buffer: np.ndarray
+
+  @classmethod
+  def create(cls, directory: str, nbytes: int) -> _Target:
+    tmp = os.path.join(directory, f".tmp-next-{uuid.uuid4().hex[:12]}")
+    os.mkdir(tmp, 0o700)
+    try:
+      fd = os.open(os.path.join(tmp, "shards.bin"), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+      try:
+        os.posix_fallocate(fd, 0, nbytes)  # ENOSPC now, not as SIGBUS mid-copy
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        mapped = mmap.mmap(fd, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+      except BaseException:
+        os.close(fd)
+        raise
+    except BaseException:
+      shutil.rmtree(tmp, ignore_errors=True)
+      raise
+    return cls(tmp, nbytes, fd, mapped, np.frombuffer(mapped, dtype=np.uint8))
+
+  def close(self) -> None:
+    """Closes the file (the mapping lives while arrays still view it)."""
+    if self.fd >= 0:
+      os.close(self.fd)
+      self.fd = -1
+
+  def discard(self) -> None:
+    self.close()
+    shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,6 +234,13 @@ class _BufferPool:
     with self._lock:
       self._writing.add(id(buf))
     return buf
+
+  def acquire_slot(self) -> None:
+    """A write slot without a pool buffer (the save stages into a mapped file)."""
+    self._sem.acquire()
+
+  def release_slot(self) -> None:
+    self._sem.release()
 
   def hold(self, buf: np.ndarray) -> None:
     """One more reader of `buf`; it must call unhold(buf) when done."""
@@ -239,6 +296,12 @@ class LocalTier:
     self._executor = concurrent.futures.ThreadPoolExecutor(
       max_workers=1, thread_name_prefix="ec-local-write"
     )
+    self._preparer = concurrent.futures.ThreadPoolExecutor(
+      max_workers=1, thread_name_prefix="ec-local-prepare"
+    )
+    self._next_lock = threading.Lock()
+    self._next: _Target | None = None
+    self._closed = False
     self._cleanup_tmp()
 
   # ---- listing -------------------------------------------------------------
@@ -294,17 +357,78 @@ class LocalTier:
     (and on a free buffer, if `staging_buffers` writes are still running)."""
     t0 = time.perf_counter()
     layout = shards_lib.layout_for(paths, arrays)
-    buffer = self._pool.acquire(layout.nbytes)
+    target = self._take_target(layout.nbytes)
+    if target is None:  # no file (0 bytes, or the ramdisk is full): a host buffer
+      buffer = self._pool.acquire(layout.nbytes)
+    else:
+      self._pool.acquire_slot()
+      buffer = target.buffer
     try:
+      if target is not None and failpoints.armed("local.mid_write", step):
+        # A crash test: die with half the shards copied into the .tmp file.
+        half = max(1, len(layout.leaves) // 2)
+        shards_lib.stage(arrays[:half], layout, buffer)
+        failpoints.hit("local.mid_write", step)
       shards_lib.stage(arrays, layout, buffer)
     except BaseException:
-      self._pool.release(buffer)
+      self._release(Staged(step, layout, buffer, 0.0, target))
+      if target is not None:
+        target.discard()
       raise
-    return Staged(step, layout, buffer, time.perf_counter() - t0)
+    return Staged(step, layout, buffer, time.perf_counter() - t0, target)
+
+  def _take_target(self, nbytes: int) -> _Target | None:
+    """The prepared file if it fits `nbytes`, else a new one (the first save,
+    or a new layout), else None (0 bytes, or it cannot be created)."""
+    with self._next_lock:
+      target, self._next = self._next, None
+    if target is not None and target.nbytes == nbytes:
+      return target
+    if target is not None:
+      target.discard()
+    if nbytes == 0:
+      return None
+    try:
+      return _Target.create(self.directory, nbytes)
+    except OSError as e:
+      logger.warning(
+        "%s cannot preallocate %d bytes in %s (%s): staging in host memory; the"
+        " local write will likely fail too.",
+        self._topology.log_prefix(),
+        nbytes,
+        self.directory,
+        e,
+      )
+      return None
+
+  def _prepare_next(self, nbytes: int) -> None:
+    """Background: the file the next save of `nbytes` copies into."""
+    with self._next_lock:
+      if self._closed or (self._next is not None and self._next.nbytes == nbytes):
+        return
+    try:
+      target = _Target.create(self.directory, nbytes)
+    except OSError as e:
+      logger.debug("%s cannot prepare the next local file: %s", self._topology.log_prefix(), e)
+      return
+    with self._next_lock:
+      old, self._next = self._next, target
+      if self._closed:
+        old, self._next = target, None
+    if old is not None:
+      old.discard()
+
+  def _release(self, staged: Staged) -> None:
+    if staged.target is None:
+      self._pool.release(staged.buffer)
+    else:
+      self._pool.release_slot()
 
   def hold(self, staged: Staged) -> Callable[[], None]:
     """Keeps `staged.buffer` from reuse (for another reader, e.g. a
     background upload) until the returned function is called, once."""
+    if staged.target is not None:  # a mapped file is never reused; it
+      return lambda: None  # lives as long as arrays view it
     self._pool.hold(staged.buffer)
     return lambda: self._pool.unhold(staged.buffer)
 
@@ -320,7 +444,9 @@ class LocalTier:
 
   def discard(self, staged: Staged) -> None:
     """Gives back a staged step that will not be written locally."""
-    self._pool.release(staged.buffer)
+    self._release(staged)
+    if staged.target is not None:
+      staged.target.discard()
 
   def write_async(
     self, staged: Staged, on_done: Callable[[WriteResult], None] | None = None
@@ -341,7 +467,10 @@ class LocalTier:
         )
         result = WriteResult(staged.step, False, 0, time.perf_counter() - t0, str(e))
       finally:
-        self._pool.release(staged.buffer)
+        self._release(staged)
+        if staged.target is not None:
+          staged.target.close()
+          self._preparer.submit(self._prepare_next, staged.layout.nbytes)
       if on_done is not None:
         on_done(result)
       return result
@@ -350,9 +479,14 @@ class LocalTier:
 
   def _write(self, staged: Staged) -> None:
     final = self.step_dir(staged.step)
-    tmp = os.path.join(self.directory, f".tmp-step_{staged.step}-{uuid.uuid4().hex[:8]}")
+    target = staged.target
+    if target is None:
+      tmp = os.path.join(self.directory, f".tmp-step_{staged.step}-{uuid.uuid4().hex[:8]}")
+    else:
+      tmp = target.tmp  # the bytes are already in its shards.bin
     failpoints.hit("local.before_write", staged.step)
-    os.mkdir(tmp, 0o700)
+    if target is None:
+      os.mkdir(tmp, 0o700)
     try:
       buf = staged.buffer
       leaves = []
@@ -373,19 +507,11 @@ class LocalTier:
             ],
           }
         )
-      fd = os.open(os.path.join(tmp, "shards.bin"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-      try:
-        view = memoryview(buf)
-        pos = 0
-        chunk = _CHUNK
-        if failpoints.armed("local.mid_write", staged.step):
-          chunk = max(1, buf.nbytes // 2)
-        while pos < buf.nbytes:
-          pos += os.write(fd, view[pos : pos + chunk])
-          failpoints.hit("local.mid_write", staged.step)
-        os.fsync(fd)
-      finally:
-        os.close(fd)
+      if target is not None:
+        target.mapped.flush()  # msync: a no-op on tmpfs, needed on a disk
+        os.fsync(target.fd)
+      else:
+        self._write_bytes(tmp, staged)
       body = {
         "format": FORMAT,
         "step": staged.step,
@@ -410,9 +536,32 @@ class LocalTier:
       shutil.rmtree(tmp, ignore_errors=True)
       raise
 
+  def _write_bytes(self, tmp: str, staged: Staged) -> None:
+    """The staged host buffer into tmp/shards.bin (when no file was mapped)."""
+    buf = staged.buffer
+    fd = os.open(os.path.join(tmp, "shards.bin"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+      view = memoryview(buf)
+      pos = 0
+      chunk = _CHUNK
+      if failpoints.armed("local.mid_write", staged.step):
+        chunk = max(1, buf.nbytes // 2)
+      while pos < buf.nbytes:
+        pos += os.write(fd, view[pos : pos + chunk])
+        failpoints.hit("local.mid_write", staged.step)
+      os.fsync(fd)
+    finally:
+      os.close(fd)
+
   def wait(self) -> None:
     """Blocks until every queued write finished."""
     self._executor.submit(lambda: None).result()
+
+  def wait_idle(self) -> None:
+    """wait(), then until the next save's file is prepared too (background
+    work a save started: a caller timing CPU or RAM should count it)."""
+    self.wait()
+    self._preparer.submit(lambda: None).result()
 
   # ---- read ----------------------------------------------------------------
   def read(self, step: int, paths: Sequence[str], abstract: Sequence[Any]) -> LocalStep:
@@ -470,6 +619,15 @@ class LocalTier:
 
   def close(self) -> None:
     self._executor.shutdown(wait=True)
+    with self._next_lock:
+      self._closed = True
+      target, self._next = self._next, None
+    self._preparer.shutdown(wait=True)
+    with self._next_lock:
+      late, self._next = self._next, None
+    for t in (target, late):
+      if t is not None:
+        t.discard()
 
 
 def check_tree_matches(saved_paths: Sequence[str], paths: Sequence[str], where: str) -> None:

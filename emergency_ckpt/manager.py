@@ -124,6 +124,7 @@ class CheckpointManager:
     self._upload_snapshots = all(d.platform == "cpu" for d in mesh.local_devices)
     self._state_writer = concurrent.futures.ThreadPoolExecutor(1, "ec-state-write")
     self._committer = concurrent.futures.ThreadPoolExecutor(1, "ec-state-commit")
+    self._retainer = concurrent.futures.ThreadPoolExecutor(1, "ec-local-retention")
     self._lock = threading.Lock()
     self._pending: list[concurrent.futures.Future] = []
     self._errors: list[BaseException] = []
@@ -290,8 +291,8 @@ class CheckpointManager:
     # peer slice or the persistent tier may still serve the tensors).
     self._durable(result.step, "local", result.nbytes, result.error)
     self._queue_state(result.step, data_state)
-    if result.ok:
-      self._apply_local_retention()
+    if result.ok:  # off the write thread: deleting old steps is not this save's durability
+      self._track(self._retainer.submit(self._apply_local_retention))
 
   def _queue_state(self, step: int, data_state: dict | None) -> None:
     def write_state() -> None:
@@ -424,7 +425,7 @@ class CheckpointManager:
     """Blocks until every started save is durable (local files, JSON, COMMIT,
     persistent upload). Called by: every process. Re-raises the first error
     of background work."""
-    self._local.wait()
+    self._local.wait_idle()
     # Orbax's finalize queues persistent retention: wait for it first.
     try:
       self._persistent.wait_until_finished()
@@ -763,6 +764,7 @@ class CheckpointManager:
       self._local.close()
       self._state_writer.shutdown(wait=True)
       self._committer.shutdown(wait=True)
+      self._retainer.shutdown(wait=True)
       self._persistent.close()
       self._events.close()
 

@@ -62,9 +62,11 @@ class LocalTierOptions:
   value passed to save(metrics=...)). None: off."""
 
   staging_buffers: int = 1
-  """Host staging buffers (each the size of this process's shards). With 1,
-  extra host RAM stays ~1x the bytes; a save that arrives while the previous
-  local write is still running waits for it. 2 lets saves overlap writes."""
+  """Local writes in flight at once. A save copies straight into a shards.bin
+  file preallocated on the ramdisk after the previous save (so the ramdisk
+  holds one extra step's worth of bytes); when that file cannot be made, into
+  a host buffer of the same size. With 1, a save that arrives while the
+  previous local write is still running waits for it; 2 lets them overlap."""
 
   def __post_init__(self):
     _require(

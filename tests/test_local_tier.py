@@ -452,7 +452,8 @@ def test_apply_retention(tier, state):
     save(tier, step, state)
   assert tier.apply_retention({20, 40, 99}) == [10, 30]
   assert tier.steps() == [20, 40]
-  assert sorted(os.listdir(tier.directory)) == ["step_20", "step_40"]  # no .tmp-delete left
+  left = sorted(n for n in os.listdir(tier.directory) if not n.startswith(".tmp-next-"))
+  assert left == ["step_20", "step_40"]  # no .tmp-delete left (.tmp-next-: the next save's file)
   assert tier.apply_retention({20, 40}) == []
   assert tier.apply_retention(set()) == [20, 40]
   assert tier.steps() == []
@@ -705,3 +706,48 @@ def test_acquire_blocks_only_on_writes_not_on_readers():
   done = threading.Event()
   threading.Thread(target=lambda: (pool.acquire(8), done.set()), daemon=True).start()
   assert done.wait(5), "acquire blocked on a buffer only a reader holds"
+
+
+def test_saves_copy_into_a_prepared_file(tier, state):
+  """After a save, the next one's shards.bin is preallocated in the
+  background; the next save copies straight into it (no write of the bytes),
+  and close() removes the unused one."""
+  save(tier, 1, state)
+  tier.wait_idle()
+  prepared = [n for n in os.listdir(tier.directory) if n.startswith(".tmp-next-")]
+  assert len(prepared) == 1
+  paths, leaves, _ = shards_lib.leaf_paths(state)
+  staged = tier.stage(2, paths, leaves)
+  assert staged.target is not None and staged.target.tmp.endswith(prepared[0])
+  tier.write_async(staged).result()
+  assert tier.steps() == [1, 2]
+  assert same_bits(restore(tier, 2, abstract_of(state)), state)
+  tier.wait_idle()
+  tier.close()
+  assert not [n for n in os.listdir(tier.directory) if n.startswith(".tmp-")]
+
+
+def test_a_layout_change_discards_the_prepared_file(tier, state, mesh):
+  save(tier, 1, state)
+  tier.wait_idle()
+  small = {"x": jax.device_put(np.arange(6, dtype=np.int32), NamedSharding(mesh, P("data")))}
+  save(tier, 2, small)
+  tier.wait_idle()
+  assert len([n for n in os.listdir(tier.directory) if n.startswith(".tmp-next-")]) == 1
+  assert same_bits(restore(tier, 2, abstract_of(small)), small)
+
+
+def test_without_room_for_a_file_the_save_stages_in_memory(tier, state, monkeypatch):
+  """A ramdisk that cannot preallocate (ENOSPC) falls back to a host buffer
+  and the plain write path, which then reports the failure as before."""
+
+  def full(*a, **k):
+    raise OSError(28, "No space left on device")
+
+  monkeypatch.setattr(os, "posix_fallocate", full)
+  paths, leaves, _ = shards_lib.leaf_paths(state)
+  staged = tier.stage(1, paths, leaves)
+  assert staged.target is None
+  result = tier.write_async(staged).result()
+  assert result.ok  # writing (not preallocating) still had room here
+  assert same_bits(restore(tier, 1, abstract_of(state)), state)
