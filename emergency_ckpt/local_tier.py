@@ -446,7 +446,8 @@ class LocalTier:
     """Gives back a staged step that will not be written locally."""
     self._release(staged)
     if staged.target is not None:
-      staged.target.discard()
+      staged.target.discard()  # arrays still viewing it keep the pages
+      self._preparer.submit(self._prepare_next, staged.layout.nbytes)
 
   def write_async(
     self, staged: Staged, on_done: Callable[[WriteResult], None] | None = None
@@ -610,9 +611,11 @@ class LocalTier:
     """Deletes one of this process's steps (renamed away first)."""
     delete_step_dir(self.step_dir(step))
 
-  def apply_retention(self, keep: set[int]) -> list[int]:
-    """Deletes committed steps not in `keep`; returns the deleted steps."""
-    doomed = [s for s in self.steps() if s not in keep]
+  def apply_retention(self, keep: set[int], among: Sequence[int] | None = None) -> list[int]:
+    """Deletes committed steps not in `keep`, considering only `among` (the
+    listing `keep` was computed from: a step written since is never touched)
+    or, if None, a fresh listing. Returns the deleted steps."""
+    doomed = [s for s in (self.steps() if among is None else among) if s not in keep]
     for s in doomed:
       self.delete(s)
     return doomed

@@ -399,7 +399,8 @@ class CheckpointManager:
         len(keep),
         self._options.local.max_to_keep,
       )
-    self._local.apply_retention(keep)
+    # Runs beside the next writes: only steps of this listing may go.
+    self._local.apply_retention(keep, among=steps)
 
   def _track(self, fut: concurrent.futures.Future) -> None:
     def done(f: concurrent.futures.Future) -> None:

@@ -751,3 +751,15 @@ def test_without_room_for_a_file_the_save_stages_in_memory(tier, state, monkeypa
   result = tier.write_async(staged).result()
   assert result.ok  # writing (not preallocating) still had room here
   assert same_bits(restore(tier, 1, abstract_of(state)), state)
+
+
+def test_retention_never_deletes_a_step_written_after_its_listing(tier, state):
+  """Local retention runs beside the next write: a step renamed into place
+  after the listing that `keep` came from is not in `keep`, yet must stay."""
+  save(tier, 1, state)
+  listing = tier.steps()
+  save(tier, 2, state)  # lands between the listing and the deletion
+  assert tier.apply_retention({1}, among=listing) == []
+  assert tier.steps() == [1, 2]
+  assert tier.apply_retention(set(), among=listing) == [1]
+  assert tier.steps() == [2]
