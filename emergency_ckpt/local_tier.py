@@ -364,6 +364,10 @@ class LocalTier:
       self._pool.acquire_slot()
       buffer = target.buffer
     try:
+      if target is not None:  # now a save in progress of `step`, by its name
+        named = os.path.join(self.directory, f".tmp-step_{step}-{uuid.uuid4().hex[:8]}")
+        os.rename(target.tmp, named)
+        target.tmp = named
       if target is not None and failpoints.armed("local.mid_write", step):
         # A crash test: die with half the shards copied into the .tmp file.
         half = max(1, len(layout.leaves) // 2)

@@ -718,7 +718,9 @@ def test_saves_copy_into_a_prepared_file(tier, state):
   assert len(prepared) == 1
   paths, leaves, _ = shards_lib.leaf_paths(state)
   staged = tier.stage(2, paths, leaves)
-  assert staged.target is not None and staged.target.tmp.endswith(prepared[0])
+  assert staged.target is not None  # the prepared file, renamed as step 2's save in progress
+  assert os.path.basename(staged.target.tmp).startswith(".tmp-step_2-")
+  assert not os.path.exists(os.path.join(tier.directory, prepared[0]))
   tier.write_async(staged).result()
   assert tier.steps() == [1, 2]
   assert same_bits(restore(tier, 2, abstract_of(state)), state)
