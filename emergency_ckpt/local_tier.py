@@ -167,6 +167,8 @@ class _Target:
   fd: int
   mapped: mmap.mmap
   buffer: np.ndarray
+  readers: int = 0  # besides the write (a background upload viewing it)
+  written: bool = False
 
   @classmethod
   def create(cls, directory: str, nbytes: int) -> _Target:
@@ -431,8 +433,21 @@ class LocalTier:
   def hold(self, staged: Staged) -> Callable[[], None]:
     """Keeps `staged.buffer` from reuse (for another reader, e.g. a
     background upload) until the returned function is called, once."""
-    if staged.target is not None:  # a mapped file is never reused; it
-      return lambda: None  # lives as long as arrays view it
+    target = staged.target
+    if target is not None:  # a mapped file is never reused (it lives as long
+      # as arrays view it); the next one is prepared once nobody reads this
+      # one, so two steps' pages are never mapped at once
+      with self._next_lock:
+        target.readers += 1
+
+      def release() -> None:
+        with self._next_lock:
+          target.readers -= 1
+          ready = target.readers == 0 and target.written
+        if ready:
+          self._preparer.submit(self._prepare_next, target.nbytes)
+
+      return release
     self._pool.hold(staged.buffer)
     return lambda: self._pool.unhold(staged.buffer)
 
@@ -449,9 +464,14 @@ class LocalTier:
   def discard(self, staged: Staged) -> None:
     """Gives back a staged step that will not be written locally."""
     self._release(staged)
-    if staged.target is not None:
-      staged.target.discard()  # arrays still viewing it keep the pages
-      self._preparer.submit(self._prepare_next, staged.layout.nbytes)
+    target = staged.target
+    if target is not None:
+      target.discard()  # arrays still viewing it keep the pages
+      with self._next_lock:
+        target.written = True
+        ready = target.readers == 0
+      if ready:
+        self._preparer.submit(self._prepare_next, target.nbytes)
 
   def write_async(
     self, staged: Staged, on_done: Callable[[WriteResult], None] | None = None
@@ -473,9 +493,14 @@ class LocalTier:
         result = WriteResult(staged.step, False, 0, time.perf_counter() - t0, str(e))
       finally:
         self._release(staged)
-        if staged.target is not None:
-          staged.target.close()
-          self._preparer.submit(self._prepare_next, staged.layout.nbytes)
+        target = staged.target
+        if target is not None:
+          target.close()
+          with self._next_lock:
+            target.written = True
+            ready = target.readers == 0
+          if ready:
+            self._preparer.submit(self._prepare_next, target.nbytes)
       if on_done is not None:
         on_done(result)
       return result

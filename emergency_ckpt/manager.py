@@ -452,6 +452,7 @@ class CheckpointManager:
       if not pending:
         break
       concurrent.futures.wait(pending)
+    self._local.wait_idle()  # the next file, prepared once the upload let go
     self._raise_background_errors()
 
   # ---- inventory and agreement ---------------------------------------------

@@ -765,3 +765,17 @@ def test_retention_never_deletes_a_step_written_after_its_listing(tier, state):
   assert tier.steps() == [1, 2]
   assert tier.apply_retention(set(), among=listing) == [1]
   assert tier.steps() == [2]
+
+
+def test_next_file_is_prepared_only_after_the_upload_lets_go(tier, state):
+  """A background reader (the persistent upload) of a step's mapped file
+  delays preparing the next one, so two steps' pages are never mapped at once."""
+  paths, leaves, _ = shards_lib.leaf_paths(state)
+  staged = tier.stage(1, paths, leaves)
+  release = tier.hold(staged)
+  tier.write_async(staged).result()
+  tier.wait_idle()
+  assert not [n for n in os.listdir(tier.directory) if n.startswith(".tmp-next-")]
+  release()
+  tier.wait_idle()
+  assert len([n for n in os.listdir(tier.directory) if n.startswith(".tmp-next-")]) == 1
