@@ -165,8 +165,8 @@ class _Target:
   tmp: str
   nbytes: int
   fd: int
-  mapped: mmap.mmap
-  buffer: np.ndarray
+  mapped: mmap.mmap | None = None
+  buffer: np.ndarray | None = None
   readers: int = 0  # besides the write (a background upload viewing it)
   written: bool = False
 
@@ -178,15 +178,25 @@ class _Target:
       fd = os.open(os.path.join(tmp, "shards.bin"), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
       try:
         os.posix_fallocate(fd, 0, nbytes)  # ENOSPC now, not as SIGBUS mid-copy
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        mapped = mmap.mmap(fd, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
       except BaseException:
         os.close(fd)
         raise
     except BaseException:
       shutil.rmtree(tmp, ignore_errors=True)
       raise
-    return cls(tmp, nbytes, fd, mapped, np.frombuffer(mapped, dtype=np.uint8))
+    return cls(tmp, nbytes, fd)
+
+  def map(self) -> np.ndarray:
+    """Maps the file shared (its pages already allocated: populating the
+    page tables is cheap) and returns it as bytes. Mapped only when a save
+    takes it, so an idle prepared file is not in the process's RSS."""
+    if self.buffer is None:
+      flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+      self.mapped = mmap.mmap(
+        self.fd, self.nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE
+      )
+      self.buffer = np.frombuffer(self.mapped, dtype=np.uint8)
+    return self.buffer
 
   def close(self) -> None:
     """Closes the file (the mapping lives while arrays still view it)."""
@@ -364,7 +374,12 @@ class LocalTier:
       buffer = self._pool.acquire(layout.nbytes)
     else:
       self._pool.acquire_slot()
-      buffer = target.buffer
+      try:
+        buffer = target.map()
+      except BaseException:
+        self._pool.release_slot()
+        target.discard()
+        raise
     try:
       if target is not None:  # now a save in progress of `step`, by its name
         named = os.path.join(self.directory, f".tmp-step_{step}-{uuid.uuid4().hex[:8]}")
@@ -496,6 +511,7 @@ class LocalTier:
         target = staged.target
         if target is not None:
           target.close()
+          target.mapped = target.buffer = None  # views (an upload's) keep the pages
           with self._next_lock:
             target.written = True
             ready = target.readers == 0
