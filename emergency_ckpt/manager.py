@@ -128,6 +128,8 @@ class CheckpointManager:
     self._lock = threading.Lock()
     self._pending: list[concurrent.futures.Future] = []
     self._errors: list[BaseException] = []
+    self._failed = False  # some background work failed (sticky; see close)
+    self._raised: list[BaseException] = []  # raised before their callback ran
     self._last_step: int | None = None
     self._metrics: dict[int, dict] = {}
     self._persistent_final: set[int] = set()
@@ -409,7 +411,9 @@ class CheckpointManager:
           "%s background checkpoint work failed: %s", self._topology.log_prefix(), f.exception()
         )
         with self._lock:
-          self._errors.append(f.exception())
+          if not any(x is f.exception() for x in self._raised):
+            self._errors.append(f.exception())
+          self._failed = True
 
     with self._lock:
       self._pending = [f for f in self._pending if not f.done()]
@@ -422,11 +426,41 @@ class CheckpointManager:
     if errors:
       raise errors[0]
 
+  def _wait_background(self) -> None:
+    """Waits for tracked background work and the background upload, raising
+    the first error as soon as any of them fails: a process whose step failed
+    must not sit behind an upload that waits in Orbax's barrier for a process
+    that already failed the same way (and exited)."""
+    while True:
+      self._raise_background_errors()
+      with self._lock:
+        pending = [f for f in self._pending if not f.done()]
+      upload = self._persistent.in_flight()
+      if upload is not None and upload.done():
+        if upload.exception() is not None:
+          return  # persistent.wait_until_finished() raises it, translated
+        upload = None
+      waiting = pending + ([upload] if upload is not None else [])
+      if not waiting:
+        return
+      done, _ = concurrent.futures.wait(waiting, return_when=concurrent.futures.FIRST_COMPLETED)
+      for f in done:
+        if f is upload:
+          continue  # checked above, next round
+        e = f.exception()
+        if e is not None:  # its done-callback may not have recorded it yet
+          with self._lock:
+            self._failed = True
+            self._errors = [x for x in self._errors if x is not e]
+            self._raised.append(e)
+          raise e
+
   def wait_until_finished(self) -> None:
     """Blocks until every started save is durable (local files, JSON, COMMIT,
     persistent upload). Called by: every process. Re-raises the first error
-    of background work."""
+    of background work as soon as it happens."""
     self._local.wait_idle()
+    self._wait_background()
     # Orbax's finalize queues persistent retention: wait for it first.
     try:
       self._persistent.wait_until_finished()
@@ -756,18 +790,25 @@ class CheckpointManager:
       raise EmergencyCheckpointError("this CheckpointManager is closed; create a new one.")
 
   def close(self) -> None:
-    """Waits for background work, then releases threads. Called by: every process."""
+    """Waits for background work, then releases threads. Called by: every
+    process. After background work failed (its error already raised), close
+    waits only for this process's own work: an upload still in flight is
+    abandoned, uncommitted (it may wait in Orbax's barrier for processes
+    that failed too; never restored, it is removed by Orbax's next start)."""
     if self._closed:
       return
     try:
-      self.wait_until_finished()
+      if self._failed:
+        self._local.wait_idle()
+      else:
+        self.wait_until_finished()
     finally:
       self._closed = True
       self._local.close()
       self._state_writer.shutdown(wait=True)
       self._committer.shutdown(wait=True)
       self._retainer.shutdown(wait=True)
-      self._persistent.close()
+      self._persistent.close(abandon=self._failed)
       self._events.close()
 
   def __enter__(self) -> CheckpointManager:

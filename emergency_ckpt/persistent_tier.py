@@ -384,7 +384,21 @@ class PersistentTier:
     """Blocks until the last upload is durable; re-raises its error."""
     self._wait_all()
 
-  def close(self) -> None:
+  def in_flight(self) -> concurrent.futures.Future | None:
+    """The background upload started last (done or not), or None."""
+    return self._upload
+
+  def close(self, *, abandon: bool = False) -> None:
+    """Waits for the upload in flight, unless `abandon` (after a failure):
+    then it is left to its thread, uncommitted, and nothing here blocks."""
+    if abandon and self._upload is not None and not self._upload.done():
+      logger.warning(
+        "%s closing after a failure: the upload of step %s is abandoned (not committed).",
+        self._topology.log_prefix(),
+        self._saving_step,
+      )
+      self._uploader.shutdown(wait=False, cancel_futures=True)
+      return
     try:
       if self._upload is not None:
         concurrent.futures.wait([self._upload])

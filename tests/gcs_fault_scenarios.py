@@ -129,3 +129,35 @@ def kill_mid_upload(args: dict) -> None:
   print(f"kill_mid_upload: held; committed {committed}; killing myself", flush=True)
   sc.barrier("kill")
   os.kill(os.getpid(), signal.SIGKILL)
+
+
+def fail_while_upload_held(args: dict) -> dict[str, Any]:
+  """Saves args['step'] to both tiers while the proxy holds its tensor upload
+  (rule args['hold_rule']) and refuses its state JSON (403). Times how long
+  wait_until_finished() takes to raise, then close(), both while the upload
+  is still held."""
+  mesh = sc.mesh_for(args["slices"])
+  ctl = ProxyClient.from_env()
+  rule, step = args["hold_rule"], args["step"]
+  out: dict[str, Any] = {"error": None}
+  mngr = ec.CheckpointManager(sc.options(args), mesh=mesh)
+  # gcsfs sends the small state files (JSON, COMMIT) as multipart uploads,
+  # whose object name is in the body; Orbax's metadata goes resumable.
+  refuse = ctl.fail(
+    times=None, status=403, method="POST", path="uploadType=multipart", client="python-gcsfs"
+  )
+  mngr.save(step, sc.make_state(mesh, step), data_state=sc.data_state(step))
+  ctl.wait_held(rule, 1, timeout=60)
+  t0 = time.monotonic()
+  try:
+    mngr.wait_until_finished()
+  except Exception as e:  # noqa: BLE001 - the test judges it
+    out["error"] = f"{type(e).__name__}: {e}"
+  out["wait_s"] = time.monotonic() - t0
+  out["held_after_wait"] = ctl.rule(rule)["held_now"]
+  t0 = time.monotonic()
+  mngr.close()
+  out["close_s"] = time.monotonic() - t0
+  out["held_after_close"] = ctl.rule(rule)["held_now"]
+  out["refused"] = ctl.rule(refuse["id"])["hits"]
+  return out

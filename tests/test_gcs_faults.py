@@ -447,11 +447,12 @@ def test_permission_lost_mid_run_fails_fast_nothing_committed_lost(
   naming the bucket and the operation, none hangs; after access returns,
   step 2 restores bit-exactly from either tier.
 
-  Usually every process fails ~0.1 s after the revocation. Sometimes (2 runs
-  in 10 here) one primary-slice process learns of its failed step-3 write only
-  after it entered Orbax's save of step 4, whose barrier process 0 (already
-  failed) never joins: it waits there until process 0 exits (the launcher
-  keeps process 0 up to 60 s for its siblings), then fails the same way."""
+  Sometimes a primary-slice process learns of its failed step-3 write only
+  after its upload thread entered Orbax's save of step 4, whose barrier
+  process 0 (already failed) never joins: wait_until_finished still raises
+  the first background error at once, and close() abandons that upload
+  (before, such a process sat in the barrier until process 0 exited, and was
+  then aborted by the JAX runtime: rc -6)."""
   proxy = gcs_proxy
   bucket = gcs_bucket.removeprefix("gs://")
   args = {
@@ -484,6 +485,46 @@ def test_permission_lost_mid_run_fails_fast_nothing_committed_lost(
   names = _objects(gcs_server, gcs_bucket, "run/")
   assert "run/state/2/COMMIT" in names and "run/tensors/2/commit_success.txt" in names, names
   _restore_and_check(args, {"all_wiped": (2, "persistent"), "intact": (2, "local")})
+
+
+def test_failure_while_upload_held_raises_at_once_and_close_does_not_wait(
+  gcs_server, gcs_proxy, gcs_bucket, shm_dir
+):
+  """Step 2's tensor upload is held by the proxy and its state JSON is refused
+  (403). wait_until_finished() raises that StorageError at once, not when the
+  upload ends; close() then returns without waiting for the held upload (in a
+  multi-slice job that upload may wait in Orbax's barrier for a process that
+  failed the same way and exited). Step 2 is never committed anywhere."""
+  proxy = gcs_proxy
+  hold = proxy.hold(method="POST", path=["/upload/", "tensors/2/"], client=TENSORSTORE)
+  args = {
+    "slices": 1,
+    "local_root": shm_dir,
+    "persistent": f"{gcs_bucket}/run",
+    "persistent_interval": 2,
+    "step": 2,
+    "hold_rule": hold.id,
+  }
+  safety = threading.Timer(120, hold.release)  # a hang fails, not blocks the suite
+  safety.start()
+  try:
+    job = run_job(
+      "tests.gcs_fault_scenarios:fail_while_upload_held",
+      1,
+      args,
+      env={0: proxy.env},
+      timeout_s=JOB_TIMEOUT_S,
+    )
+  finally:
+    safety.cancel()
+  hold.release()
+  (r,) = job.check()
+  assert r["refused"] >= 1, r
+  assert r["error"] and r["error"].startswith("StorageError"), r
+  assert "state/2/" in r["error"] and "Forbidden" in r["error"], r
+  assert r["held_after_wait"] >= 1 and r["held_after_close"] >= 1, r  # never released
+  assert r["wait_s"] < 30 and r["close_s"] < 30, r
+  assert "run/tensors/2/commit_success.txt" not in _objects(gcs_server, gcs_bucket, "run/")
 
 
 def test_slow_bucket_local_saves_stay_prompt_and_durable(
