@@ -187,9 +187,10 @@ class _Target:
     return cls(tmp, nbytes, fd)
 
   def map(self) -> np.ndarray:
-    """Maps the file shared (its pages already allocated: populating the
-    page tables is cheap) and returns it as bytes. Mapped only when a save
-    takes it, so an idle prepared file is not in the process's RSS."""
+    """Maps the file shared, page tables populated, and returns it as bytes.
+    Populating 256 MiB costs ~0.15 s here, 7x the copy into the populated
+    map: prepared files are mapped in the background (see _prepare_next);
+    only the first save of a layout maps inline."""
     if self.buffer is None:
       flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
       self.mapped = mmap.mmap(
@@ -432,6 +433,11 @@ class LocalTier:
     except OSError as e:
       logger.debug("%s cannot prepare the next local file: %s", self._topology.log_prefix(), e)
       return
+    try:  # here, not in the save: populating the page tables costs ~7x the copy
+      target.map()
+    except BaseException:
+      target.discard()
+      raise
     with self._next_lock:
       old, self._next = self._next, target
       if self._closed:
@@ -460,7 +466,7 @@ class LocalTier:
           target.readers -= 1
           ready = target.readers == 0 and target.written
         if ready:
-          self._preparer.submit(self._prepare_next, target.nbytes)
+          self._retire(target)
 
       return release
     self._pool.hold(staged.buffer)
@@ -486,7 +492,23 @@ class LocalTier:
         target.written = True
         ready = target.readers == 0
       if ready:
-        self._preparer.submit(self._prepare_next, target.nbytes)
+        self._retire(target)
+
+  def _retire(self, target: _Target) -> None:
+    """`target` is written (or discarded) and no reader is left: its pages
+    leave this process's page tables and the next file is prepared. A view
+    that outlives its reader (tensorstore keeps written source arrays
+    referenced until its cache lets go, often until a GC cycle) must not keep
+    a second step's pages resident beside the next prepared file: for a
+    shared file mapping, MADV_DONTNEED only drops the page-table entries; the
+    bytes stay in the file and a later access maps them in again."""
+    mapped, target.mapped, target.buffer = target.mapped, None, None
+    if mapped is not None and hasattr(mmap, "MADV_DONTNEED"):
+      try:
+        mapped.madvise(mmap.MADV_DONTNEED)
+      except (OSError, ValueError) as e:  # ValueError: already closed
+        logger.debug("%s madvise(DONTNEED) failed: %s", self._topology.log_prefix(), e)
+    self._preparer.submit(self._prepare_next, target.nbytes)
 
   def write_async(
     self, staged: Staged, on_done: Callable[[WriteResult], None] | None = None
@@ -511,12 +533,11 @@ class LocalTier:
         target = staged.target
         if target is not None:
           target.close()
-          target.mapped = target.buffer = None  # views (an upload's) keep the pages
           with self._next_lock:
             target.written = True
             ready = target.readers == 0
           if ready:
-            self._preparer.submit(self._prepare_next, target.nbytes)
+            self._retire(target)
       if on_done is not None:
         on_done(result)
       return result

@@ -779,3 +779,40 @@ def test_next_file_is_prepared_only_after_the_upload_lets_go(tier, state):
   release()
   tier.wait_idle()
   assert len([n for n in os.listdir(tier.directory) if n.startswith(".tmp-next-")]) == 1
+
+
+def _resident_kib(path: str) -> int | None:
+  """Rss (KiB) of this process's mappings of `path` (None if not mapped)."""
+  total, found, inside = 0, False, False
+  with open("/proc/self/smaps") as f:
+    for line in f:
+      head = line.split()
+      if len(head) >= 5 and "-" in head[0] and not line.startswith(("Rss", "Size")):
+        inside = line.rstrip("\n").endswith(path)
+        found = found or inside
+      elif inside and line.startswith("Rss:"):
+        total += int(head[1])
+  return total if found else None
+
+
+def test_a_lingering_view_keeps_no_pages_of_a_written_step_resident(tier, mesh):
+  """Once a step is written and no reader holds it, its mapping's pages
+  leave the process (RSS) even if a view outlives it (tensorstore keeps an
+  upload's source arrays until its cache lets go): the next prepared file
+  and the old step are never both resident. The bytes stay in the file and
+  read back through the lingering view unchanged."""
+  value = np.arange(4 << 20, dtype=np.uint32)  # 16 MiB
+  big = {"x": jax.device_put(value, NamedSharding(mesh, P("data")))}
+  paths, leaves, _ = shards_lib.leaf_paths(big)
+  staged = tier.stage(1, paths, leaves)
+  view = staged.buffer  # outlives the write and every reader
+  release = tier.hold(staged)
+  tier.write_async(staged).result()
+  shards = _shards_path(tier, 1)
+  assert _resident_kib(shards) >= 15 << 10  # an upload still reads it: resident
+  release()
+  tier.wait_idle()
+  assert _resident_kib(shards) < 1 << 10, "the written step's pages stayed resident"
+  assert view[: value.nbytes // 2].view(np.uint32).tolist()[:4] == [0, 1, 2, 3]
+  with open(shards, "rb") as f:
+    assert f.read() == bytes(view)
