@@ -4,10 +4,11 @@ Point to point: one jitted shard_map over the mesh runs a collective permute
 over the replica axis from an intact slice to each slice that lost its copy
 (lost slices are assigned to intact sources round-robin, so with several
 intact slices the sends run in parallel). Intact slices keep their own
-(verified) shards; only the lost slices receive, and only once. The values
-travel bit-cast to unsigned integers and are merged with a select, never
-arithmetic, so -0.0, denormals and NaN payloads survive (Orbax's broadcast is
-a float sum-with-zeros that loses them).
+(verified) shards; only the lost slices receive, and only once. Rounds are
+merged with a select, never arithmetic, and dtypes whose bits a collective
+might not keep travel bit-cast to unsigned integers, so -0.0, denormals and
+NaN payloads survive (Orbax's broadcast is a float sum-with-zeros that loses
+them).
 
 Called by: every process (it is one XLA program with collectives); blocks
 until it is done.
@@ -30,8 +31,14 @@ _UINTS = {1: np.uint8, 2: np.uint16, 4: np.uint32}
 
 
 def _carrier(dtype: np.dtype) -> tuple[np.dtype, int]:
-  """(unsigned carrier dtype, carriers per element) for `dtype`."""
-  size = np.dtype(dtype).itemsize
+  """(carrier dtype, carriers per element) for `dtype`: itself where the
+  permute is known to copy its bytes (no bit-cast copy on arrival, ~30%
+  faster), else unsigned integers (XLA's CPU collectives widen bfloat16 and
+  friends to float32 and back, which does not keep every bit pattern)."""
+  dtype = np.dtype(dtype)
+  if dtype.kind in "iub" or dtype in (np.dtype(np.float32), np.dtype(np.float64)):
+    return dtype, 1
+  size = dtype.itemsize
   if size in _UINTS:
     return np.dtype(_UINTS[size]), 1
   if size % 4 == 0:
@@ -76,18 +83,21 @@ def _mover(mesh, replica_axis: str, specs: tuple, dtypes: tuple, factors: tuple,
   """The jitted transfer for leaves with these (spec, tail) partition specs."""
 
   def body(*xs):
+    me = jax.lax.axis_index(replica_axis)
     outs = []
     for x, dtype, factor in zip(xs, dtypes, factors):
-      # A device that receives nothing in a round gets zeros, and each lost
-      # slice receives in exactly one round: OR-ing the rounds is exact.
+      # Each lost slice receives in exactly one round: a select (never
+      # arithmetic) keeps what it received.
       got = None
       for pairs in rounds:
         moved = jax.lax.ppermute(x, replica_axis, perm=list(pairs))
-        got = moved if got is None else got | moved
+        if got is None:
+          got = moved
+        else:
+          mine = functools.reduce(jnp.logical_or, [me == dst for _, dst in pairs])
+          got = jax.lax.select(jnp.broadcast_to(mine, got.shape), moved, got)
       y = got[0]
-      if dtype == np.bool_:
-        y = y.astype(jnp.bool_)
-      elif factor > 1 or y.dtype != dtype:
+      if factor > 1 or y.dtype != dtype:
         y = jax.lax.bitcast_convert_type(y, dtype)
       outs.append(y)
     return outs

@@ -1,7 +1,8 @@
 """Issue 2: real multi-process jax.distributed jobs on CPU, save then restart.
 
 Each topology: one job saves steps 1..4 (local every step, keep 2; persistent
-every 2nd step), then a restarted job restores under variants (a)-(e); a third
+every 2nd step), then a restarted job restores under variants (a)-(e), and
+(g) on 4 slices; a third
 job is SIGKILLed mid local save (f) and a fourth restores after it.
 """
 
@@ -38,7 +39,9 @@ def _variants(slices: int, last: int) -> list[dict]:
     v.append({"name": "b_nonprimary_wiped", "wipe_slices": [slices - 1]})
   v.append({"name": "c_primary_wiped", "wipe_slices": [0]})
   v.append({"name": "d_all_wiped", "wipe_slices": list(range(slices))})
-  v.append({"name": "e_json_missing", "delete_json": [[last, 4]]})
+  if slices > 2:  # more lost slices than intact ones: several transfer rounds
+    v.append({"name": "g_only_primary_left", "wipe_slices": list(range(1, slices))})
+  v.append({"name": "e_json_missing", "delete_json": [[last, 4]]})  # last: it deletes
   return v
 
 
@@ -54,6 +57,8 @@ def _expected(name: str, slice_index: int, slices: int) -> tuple[int, str]:
     return 4, "peer" if slice_index == 0 else "local"
   if name == "d_all_wiped":
     return 4, "persistent"
+  if name == "g_only_primary_left":
+    return 4, "local" if slice_index == 0 else "peer"
   if name == "e_json_missing":
     return 3, "local"  # step 4's marker lacks a file: the older step wins
   raise AssertionError(name)
