@@ -423,6 +423,16 @@ class LocalTier:
       )
       return None
 
+  def prepare(self, paths: Sequence[str], abstract: Sequence[Any]) -> None:
+    """Starts preparing (in the background) the file that a save of this
+    layout will copy into, so that the first save does not stall on
+    allocating and mapping it (seconds for fresh memory). Blocks on nothing."""
+    nbytes = shards_lib.layout_for(paths, abstract).nbytes
+    with self._next_lock:
+      if self._closed or nbytes == 0:
+        return
+    self._preparer.submit(self._prepare_next, nbytes)
+
   def _prepare_next(self, nbytes: int) -> None:
     """Background: the file the next save of `nbytes` copies into."""
     with self._next_lock:

@@ -528,7 +528,8 @@ class CheckpointManager:
     Called by: every process. Blocks on: one inventory exchange, reading this
     process's local copy, one status exchange per tried step, and then either
     nothing more (every slice intact), one cross-slice transfer (a slice lost
-    its copy) or a persistent read (no slice has it).
+    its copy) or a persistent read (no slice has it). Whatever it finds, it
+    then prepares the next save's local file in the background.
     """
     self._check_open()
     t_restore = time.monotonic()
@@ -571,6 +572,7 @@ class CheckpointManager:
       saved = decode_data_state(data_state)
       if data_state_target is not None and saved is not None:
         data_state_target.set_state(saved)
+      self._local.prepare(paths, abstract)  # the next save's file, while training starts
       self._events.record(
         "restore",
         step=plan.step,
@@ -585,6 +587,7 @@ class CheckpointManager:
       f"local {self._local.directory} (per process), persistent"
       f" {self._options.persistent.directory}"
     )
+    self._local.prepare(paths, abstract)  # the first save's file, while the trainer initializes
     detail = restore_plan.describe_absence(invs, topo.slice_processes)
     if tried:
       detail += "; rejected after verification: " + "; ".join(tried)

@@ -111,3 +111,22 @@ def test_persistent_copy_is_the_state_at_save_time(options, mesh):
     r = mngr.restore(abstract, step=4)
   assert r.source == "persistent"
   assert np.asarray(r.state["w"]).tobytes() == want.tobytes()
+
+
+def test_restore_prepares_the_first_saves_file(options, mesh):
+  """restore() (here: nothing to restore) prepares the local file of the
+  state's layout in the background; the first save copies into it instead of
+  allocating and mapping a fresh file inside save()."""
+  with ec.CheckpointManager(options, mesh=mesh) as mngr:
+    with pytest.raises(ec.NoRestorableCheckpointError):
+      mngr.restore(_abstract(mesh))
+    mngr.wait_until_finished()  # includes background preparation
+    prepared = [n for n in os.listdir(mngr.local_directory) if n.startswith(".tmp-next-")]
+    assert len(prepared) == 1
+    shards = os.path.join(mngr.local_directory, prepared[0], "shards.bin")
+    assert os.path.getsize(shards) >= 4 * 2 * 4  # the (4, 2) float32 leaf (slots aligned)
+    inode = os.stat(shards).st_ino
+    assert mngr.save(2, _state(mesh, 2.0)) is True
+    mngr.wait_until_finished()
+    assert prepared[0] not in os.listdir(mngr.local_directory)  # taken by the save
+    assert os.stat(os.path.join(mngr.local_directory, "step_2", "shards.bin")).st_ino == inode
