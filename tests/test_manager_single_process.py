@@ -113,13 +113,17 @@ def test_persistent_copy_is_the_state_at_save_time(options, mesh):
   assert np.asarray(r.state["w"]).tobytes() == want.tobytes()
 
 
-def test_restore_prepares_the_first_saves_file(options, mesh):
-  """restore() (here: nothing to restore) prepares the local file of the
-  state's layout in the background; the first save copies into it instead of
-  allocating and mapping a fresh file inside save()."""
+@pytest.mark.parametrize("how", ["restore", "prepare"])
+def test_restore_prepares_the_first_saves_file(options, mesh, how):
+  """restore() (here: nothing to restore) or prepare() prepares the local
+  file of the state's layout in the background; the first save copies into
+  it instead of allocating and mapping a fresh file inside save()."""
   with ec.CheckpointManager(options, mesh=mesh) as mngr:
-    with pytest.raises(ec.NoRestorableCheckpointError):
-      mngr.restore(_abstract(mesh))
+    if how == "restore":
+      with pytest.raises(ec.NoRestorableCheckpointError):
+        mngr.restore(_abstract(mesh))
+    else:
+      mngr.prepare(_abstract(mesh))
     mngr.wait_until_finished()  # includes background preparation
     prepared = [n for n in os.listdir(mngr.local_directory) if n.startswith(".tmp-next-")]
     assert len(prepared) == 1
