@@ -1,0 +1,112 @@
+"""Reading a persistent step (Orbax's format) straight into one host buffer.
+
+Orbax's restore has tensorstore allocate an array per shard (16-byte
+aligned), then places it on its device, which copies it again (XLA's CPU
+client aliases only 64-byte aligned host memory). Here tensorstore writes
+every unique shard this process needs straight into one page-aligned buffer,
+laid out like the local tier's file (shards.layout_for), and shards.assemble
+places views of it: on CPU the arrays alias the buffer (one copy from storage
+instead of two, 0.8 s instead of 1.3 s cold for 256 MiB per process here); on
+accelerators the buffer feeds the host-to-device copy.
+
+The tensorstore specs and context are Orbax's own (its public type_handlers
+helpers build them from the step's _METADATA), so this reads exactly what
+Orbax would, including its OCDBT databases, zarr2/zarr3 and compression.
+Nothing here writes: the persistent tier stays in Orbax's standard format.
+
+Called by: every process that restores from persistent (no collective);
+blocks until its shards are read.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from etils import epath
+
+from emergency_ckpt import shards as shards_lib
+from emergency_ckpt.errors import CorruptCheckpointError, StateMismatchError
+
+METADATA = "_METADATA"
+
+
+def _read_metadata(item_dir: epath.Path) -> dict:
+  try:
+    return json.loads((item_dir / METADATA).read_text())
+  except (OSError, ValueError) as e:
+    raise CorruptCheckpointError(
+      f"{item_dir / METADATA} is unreadable ({type(e).__name__}: {e}); the step's"
+      " Orbax metadata is damaged. Restore another step (all_steps() lists them)."
+    ) from e
+
+
+def read(item_dir: epath.Path, abstract_tree: Any, ocp: Any) -> Any:
+  """abstract_tree's arrays read from the Orbax item at `item_dir` (the
+  tree, shapes and dtypes already checked against its metadata)."""
+  import tensorstore as ts  # noqa: PLC0415 - heavy import, only when used
+
+  paths, abstract, treedef = shards_lib.leaf_paths(abstract_tree)
+  names = jax.tree_util.tree_leaves(
+    ocp.tree.get_param_names(abstract_tree, include_empty_nodes=False)
+  )
+  if len(names) != len(abstract):
+    raise StateMismatchError(
+      f"abstract_state has {len(abstract)} leaves but {len(names)} Orbax names;"
+      " every leaf must be a jax.ShapeDtypeStruct with a sharding."
+    )
+  meta = _read_metadata(item_dir)
+  use_ocdbt = meta.get("use_ocdbt")
+  if use_ocdbt is None:
+    use_ocdbt = ocp.type_handlers.is_ocdbt_checkpoint(item_dir)
+  use_zarr3 = bool(meta.get("use_zarr3", False))
+  missing_is_error = bool(meta.get("store_array_data_equal_to_fill_value", True))
+  context = ocp.type_handlers.get_ts_context(use_ocdbt=use_ocdbt)
+
+  def spec(name: str) -> dict:
+    info = ocp.type_handlers.ParamInfo(
+      name=name, parent_dir=item_dir, is_ocdbt_checkpoint=use_ocdbt, use_zarr3=use_zarr3
+    )
+    return ocp.type_handlers.get_json_tspec_read(
+      info, use_ocdbt=use_ocdbt, raise_array_data_missing_error=missing_is_error
+    )
+
+  layout = shards_lib.layout_for(paths, abstract)
+  from emergency_ckpt.local_tier import aligned_empty  # noqa: PLC0415 - no cycle at import
+
+  buffer = aligned_empty(layout.nbytes)
+  opened = [ts.open(spec(name), read=True, context=context) for name in names]
+  writes = []
+  for name, future, leaf in zip(names, opened, layout.leaves):
+    store = _wait(future.result, name, item_dir)
+    if tuple(store.shape) != leaf.shape or np.dtype(store.dtype.numpy_dtype) != leaf.dtype:
+      raise StateMismatchError(
+        f"leaf {name}: abstract_state asks for {leaf.dtype}{leaf.shape}, {item_dir}"
+        f" holds {np.dtype(store.dtype.numpy_dtype)}{tuple(store.shape)}."
+      )
+    for slot in leaf.slots:
+      if slot.nbytes == 0:
+        continue
+      source = store[tuple(slice(lo, hi) for lo, hi in slot.index)]
+      target = ts.array(shards_lib.view(buffer, leaf, slot), copy=False)
+      writes.append((name, target.write(source)))
+  for name, write in writes:
+    _wait(write.result, name, item_dir)
+  arrays = [
+    shards_lib.assemble(a, {slot.index: shards_lib.view(buffer, leaf, slot) for slot in leaf.slots})
+    for a, leaf in zip(abstract, layout.leaves)
+  ]
+  return jax.tree_util.tree_unflatten(treedef, arrays)
+
+
+def _wait(result: Callable[[], Any], name: str, item_dir: epath.Path) -> Any:
+  try:
+    return result()
+  except ValueError as e:  # tensorstore's errors (NOT_FOUND, DATA_LOSS, ...)
+    raise CorruptCheckpointError(
+      f"cannot read leaf {name} of {item_dir}: {e}. The persistent step is damaged;"
+      " restore another step (all_steps() lists them)."
+    ) from e

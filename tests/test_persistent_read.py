@@ -1,0 +1,160 @@
+"""The persistent tier's reader (persistent_read): Orbax's format, read into
+one aligned host buffer. Single process, 2 CPU devices; steps written by
+Orbax itself with each of its storage layouts."""
+
+from __future__ import annotations
+
+import os
+
+_FLAG = "--xla_force_host_platform_device_count=2"
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import shutil  # noqa: E402
+
+import jax  # noqa: E402
+import ml_dtypes  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from etils import epath  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from emergency_ckpt import persistent_read, shards  # noqa: E402
+from emergency_ckpt.errors import CorruptCheckpointError, StateMismatchError  # noqa: E402
+from emergency_ckpt.persistent_tier import _ocp  # noqa: E402
+
+
+def _mesh() -> Mesh:
+  devices = jax.devices()
+  assert len(devices) >= 2, f"need 2 CPU devices, got {devices} (XLA_FLAGS set too late?)"
+  return Mesh(np.array(devices[:2]).reshape(1, 2), ("replica", "data"))
+
+
+def _host_tree() -> dict:
+  f32 = np.array(
+    [0x80000000, 0x00000001, 0x7FC12345, 0xFFC00001, 0x7F800000, 0x3F800000, 7, 8],
+    np.uint32,
+  ).view(np.float32)
+  bf16 = np.array([0x8000, 0x0001, 0x7FC1, 0xFF81, 0x0080, 0x3F80], np.uint16).view(
+    ml_dtypes.bfloat16
+  )
+  return {
+    "params": {
+      "f32": (f32.reshape(4, 2), P("data")),
+      "bf16": (bf16.reshape(2, 3), P(None)),  # replicated: both devices need it
+    },
+    "step": (np.array(41, np.int32), P()),  # a scalar
+    "i8": (np.arange(-6, 6, dtype=np.int8).reshape(2, 6), P(None, "data")),
+  }
+
+
+def _state(mesh: Mesh):
+  def place(leaf):
+    value, spec = leaf
+    return jax.device_put(value, NamedSharding(mesh, spec))
+
+  return jax.tree_util.tree_map(place, _host_tree(), is_leaf=lambda x: isinstance(x, tuple))
+
+
+def _abstract(state):
+  return jax.tree_util.tree_map(
+    lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state
+  )
+
+
+def _save(path: str, state, **handler_options) -> epath.Path:
+  ocp = _ocp()
+  handler = ocp.PyTreeCheckpointHandler(**handler_options)
+  with ocp.Checkpointer(handler) as ckptr:
+    ckptr.save(path, args=ocp.args.PyTreeSave(state))
+  return epath.Path(path)
+
+
+def _bits(a) -> np.ndarray:
+  host = np.asarray(a)
+  return host.view(np.dtype(f"u{host.dtype.itemsize}")) if host.dtype.itemsize <= 8 else host
+
+
+LAYOUTS = {
+  "ocdbt-zarr2": {"use_ocdbt": True, "use_zarr3": False, "use_compression": False},
+  "ocdbt-zarr2-zstd": {"use_ocdbt": True, "use_zarr3": False, "use_compression": True},
+  "ocdbt-zarr3": {"use_ocdbt": True, "use_zarr3": True, "use_compression": True},
+  "plain-zarr2": {"use_ocdbt": False, "use_zarr3": False, "use_compression": False},
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_reads_every_orbax_layout_bit_exactly_onto_the_requested_shardings(tmp_path, layout):
+  mesh = _mesh()
+  state = _state(mesh)
+  item = _save(str(tmp_path / "item"), state, **LAYOUTS[layout])
+  got = persistent_read.read(item, _abstract(state), _ocp())
+  for (path, want), got_leaf in zip(
+    jax.tree_util.tree_flatten_with_path(state)[0], jax.tree_util.tree_leaves(got)
+  ):
+    assert got_leaf.sharding == want.sharding, path
+    assert got_leaf.dtype == want.dtype and got_leaf.shape == want.shape, path
+    np.testing.assert_array_equal(_bits(got_leaf), _bits(want), err_msg=str(path))
+    for shard in got_leaf.addressable_shards:  # each device holds its own index
+      np.testing.assert_array_equal(_bits(shard.data), _bits(want)[shard.index])
+
+
+def test_arrays_alias_one_aligned_host_buffer_on_cpu(tmp_path):
+  """One copy from storage: the restored shards are 64-byte aligned views
+  of one buffer laid out like the local tier's file, not fresh copies."""
+  mesh = _mesh()
+  state = _state(mesh)
+  abstract = _abstract(state)
+  item = _save(str(tmp_path / "item"), state, **LAYOUTS["ocdbt-zarr2"])
+  got = persistent_read.read(item, abstract, _ocp())
+  paths, leaves, _ = shards.leaf_paths(abstract)
+  layout = shards.layout_for(paths, leaves)
+  base = None
+  for leaf_layout, arr in zip(layout.leaves, jax.tree_util.tree_leaves(got)):
+    by_device = {s.device: s for s in arr.addressable_shards}
+    for slot in leaf_layout.slots:
+      for device in slot.devices:
+        ptr = by_device[device].data.unsafe_buffer_pointer()
+        assert ptr % shards.ALIGN == 0
+        if base is None:
+          base = ptr - slot.offset
+        assert ptr - slot.offset == base, (leaf_layout.path, slot.index)
+
+
+def test_missing_data_is_a_corrupt_checkpoint_error_naming_the_leaf(tmp_path):
+  mesh = _mesh()
+  state = _state(mesh)
+  item = _save(str(tmp_path / "item"), state, **LAYOUTS["plain-zarr2"])
+  shutil.rmtree(item / "i8")  # the array's zarr metadata and chunks
+  with pytest.raises(CorruptCheckpointError, match="i8"):
+    persistent_read.read(item, _abstract(state), _ocp())
+
+
+def test_lost_ocdbt_data_files_raise_instead_of_reading_zeros(tmp_path):
+  mesh = _mesh()
+  state = _state(mesh)
+  item = _save(str(tmp_path / "item"), state, **LAYOUTS["ocdbt-zarr2"])
+  removed = 0
+  for dirpath, _, files in os.walk(item):
+    if os.path.basename(dirpath) == "d":  # OCDBT's data files (root and per process)
+      for name in files:
+        os.remove(os.path.join(dirpath, name))
+        removed += 1
+  assert removed
+  with pytest.raises(CorruptCheckpointError, match="damaged"):
+    persistent_read.read(item, _abstract(state), _ocp())
+
+
+def test_unreadable_metadata_and_mismatched_dtype_are_typed_errors(tmp_path):
+  mesh = _mesh()
+  state = _state(mesh)
+  item = _save(str(tmp_path / "item"), state, **LAYOUTS["ocdbt-zarr2"])
+  abstract = _abstract(state)
+  wrong = dict(abstract, i8=jax.ShapeDtypeStruct((2, 6), np.int16, sharding=state["i8"].sharding))
+  with pytest.raises(StateMismatchError, match="i8"):
+    persistent_read.read(item, wrong, _ocp())
+  (item / "_METADATA").write_text("{not json")
+  with pytest.raises(CorruptCheckpointError, match="_METADATA"):
+    persistent_read.read(item, abstract, _ocp())
