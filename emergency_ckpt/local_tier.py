@@ -38,6 +38,7 @@ import os
 import re
 import shutil
 import stat
+import sys
 import threading
 import time
 import uuid
@@ -80,6 +81,24 @@ def checksum_ok(data, record: dict) -> bool:
   if "crc32" in record:
     return zlib.crc32(data) == record["crc32"]
   return False
+
+
+BACKGROUND_NICE = 19
+
+
+def lower_thread_priority() -> None:
+  """Runs the calling thread at the lowest CPU priority (Linux: nice is per
+  thread). For background work that only prepares for later (the next
+  save's file): on this 2-core machine, preparing at normal priority right
+  after a peer restore made the restore's tail (block_until_ready) a median
+  0.24-0.34 s instead of 0.12-0.13 s, the whole restore 0.87-0.92 s instead
+  of 0.64-0.66 s. Elsewhere a no-op."""
+  if not sys.platform.startswith("linux"):
+    return
+  try:
+    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+  except OSError as e:  # e.g. a sandbox forbids it: only slower
+    logger.debug("cannot lower the priority of %s: %s", threading.current_thread().name, e)
 
 
 def aligned_empty(nbytes: int) -> np.ndarray:
@@ -310,7 +329,7 @@ class LocalTier:
       max_workers=1, thread_name_prefix="ec-local-write"
     )
     self._preparer = concurrent.futures.ThreadPoolExecutor(
-      max_workers=1, thread_name_prefix="ec-local-prepare"
+      max_workers=1, thread_name_prefix="ec-local-prepare", initializer=lower_thread_priority
     )
     self._next_lock = threading.Lock()
     self._next: _Target | None = None

@@ -15,6 +15,7 @@ import mmap  # noqa: E402
 import random  # noqa: E402
 import shutil  # noqa: E402
 import stat  # noqa: E402
+import sys  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 import zlib  # noqa: E402
@@ -26,6 +27,7 @@ import pytest  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
+from emergency_ckpt import local_tier as local_tier_lib  # noqa: E402
 from emergency_ckpt import shards as shards_lib  # noqa: E402
 from emergency_ckpt.errors import (  # noqa: E402
   CorruptCheckpointError,
@@ -727,6 +729,35 @@ def test_saves_copy_into_a_prepared_file(tier, state):
   tier.wait_idle()
   tier.close()
   assert not [n for n in os.listdir(tier.directory) if n.startswith(".tmp-")]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
+def test_the_next_file_is_prepared_at_the_lowest_cpu_priority(tier, state):
+  """Preparing (fallocate + populating page tables) only serves a later
+  save: it runs niced, so it does not compete with the trainer (or the tail
+  of a restore) for CPU. The trainer's own thread keeps its priority."""
+  before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+  nice = {}
+  real = local_tier_lib._Target.create
+
+  def create(*args, **kwargs):  # runs on the preparing thread
+    nice[threading.current_thread().name] = os.getpriority(
+      os.PRIO_PROCESS, threading.get_native_id()
+    )
+    return real(*args, **kwargs)
+
+  local_tier_lib._Target.create = create
+  try:
+    paths, leaves, _ = shards_lib.leaf_paths(state)
+    tier.prepare(paths, leaves)
+    tier.wait_idle()
+  finally:
+    local_tier_lib._Target.create = real
+  assert [n for n in os.listdir(tier.directory) if n.startswith(".tmp-next-")]
+  ((name, value),) = nice.items()
+  assert name.startswith("ec-local-prepare"), name
+  assert value == local_tier_lib.BACKGROUND_NICE
+  assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
 
 
 def test_a_layout_change_discards_the_prepared_file(tier, state, mesh):
