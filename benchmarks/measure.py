@@ -25,17 +25,37 @@ def maxrss_bytes() -> int:
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-class RssSampler:
-  """Samples this process's RSS every `interval_s` in a thread; `stop()`
-  returns the peak seen (including one sample at start and one at stop)."""
+def _status_kib(field: str) -> int:
+  with open("/proc/self/status") as f:
+    for line in f:
+      if line.startswith(field + ":"):
+        return int(line.split()[1])
+  raise KeyError(field)
+
+
+class PeakRss:
+  """This process's peak RSS over a window: the kernel's high-water mark
+  (VmHWM), reset at start() through /proc/self/clear_refs ("5"). Exact, and
+  nothing runs during the window: a sampling thread polling every 5 ms was
+  seen to lengthen the measured save() stall by 25-40% (GIL hand-offs while
+  4 processes share 2 cores). Where the reset is not allowed, a sampling
+  thread is the fallback."""
 
   def __init__(self, interval_s: float = 0.005):
     self._interval = interval_s
     self._stop = threading.Event()
     self._peak = 0
     self._thread: threading.Thread | None = None
+    self.method = "VmHWM"
 
-  def start(self) -> RssSampler:
+  def start(self) -> PeakRss:
+    try:
+      with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+      _status_kib("VmHWM")
+      return self
+    except (OSError, KeyError):
+      self.method = "sampled every 5 ms"
     self._peak = rss_bytes()
     self._stop.clear()
     self._thread = threading.Thread(target=self._run, name="bench-rss", daemon=True)
@@ -47,9 +67,10 @@ class RssSampler:
       self._peak = max(self._peak, rss_bytes())
 
   def stop(self) -> int:
+    if self._thread is None:
+      return _status_kib("VmHWM") * 1024
     self._stop.set()
-    if self._thread is not None:
-      self._thread.join()
+    self._thread.join()
     self._peak = max(self._peak, rss_bytes())
     return self._peak
 

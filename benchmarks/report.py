@@ -161,7 +161,8 @@ def manager_figures(
     add(
       "save_peak_extra_ram_mib",
       [x / MIB for x in _per_rep(two, saves("peak_extra_bytes"))],
-      "peak sampled RSS during save + wait, minus RSS before the manager's first save",
+      "peak RSS during save + wait (the kernel's VmHWM, reset before each save; sampled"
+      " every 5 ms where the reset is refused), minus RSS before the manager's first save",
     )
     for variant, key in (
       ("intact", "restore_intact_s"),

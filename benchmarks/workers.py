@@ -134,7 +134,7 @@ def raw_bounds(args: dict) -> dict:
 # ---- managers ----------------------------------------------------------------
 def _timed_save(adapter: adapters.Adapter, step: int, state, rss_base: int) -> dict:
   barrier(f"save-{step}")
-  sampler = m.RssSampler().start()
+  sampler = m.PeakRss().start()
   maxrss0 = m.maxrss_bytes()
   c0, t0 = time.process_time(), m.now()
   saved = adapter.save(step, state)
@@ -155,6 +155,7 @@ def _timed_save(adapter: adapters.Adapter, step: int, state, rss_base: int) -> d
     "cpu_s": cpu,
     "peak_extra_bytes": peak - rss_base,
     "maxrss_delta_bytes": m.maxrss_bytes() - maxrss0,
+    "peak_method": sampler.method,
   }
 
 
