@@ -70,6 +70,11 @@ class Adapter(abc.ABC):
   def save(self, step: int, state: Any) -> bool:
     """Implemented per manager."""
 
+  def prepare(self) -> None:
+    """Prepares for the first save while the trainer would initialize, where
+    the manager has such a call (the documented flow); a no-op otherwise."""
+    return None
+
   @abc.abstractmethod
   def wait_local(self) -> None:
     """Blocks until this process's local-tier copy of the last save is durable."""
@@ -107,6 +112,9 @@ class Ours(Adapter):
 
   def save(self, step, state):
     return self._m.save(step, state, data_state={"step": step})
+
+  def prepare(self):
+    self._m.prepare(self._layout.abstract)
 
   def wait_local(self):
     local = getattr(self._m, "_local", None)

@@ -18,6 +18,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MANAGERS = ("emergency_ckpt", "orbax_multislice", "orbax_p2p")
 METRICS = (
   "save_stall_s",
+  "first_save_stall_s",
   "save_durable_local_s",
   "save_durable_persistent_s",
   "save_cpu_s",
