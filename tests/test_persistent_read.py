@@ -72,6 +72,12 @@ def _save(path: str, state, **handler_options) -> epath.Path:
   return epath.Path(path)
 
 
+def _saved(tmp_path, layout: str):
+  """(the state on a fresh 1x2 mesh, the Orbax item Orbax saved it to)."""
+  state = _state(_mesh())
+  return state, _save(str(tmp_path / "item"), state, **LAYOUTS[layout])
+
+
 def _bits(a) -> np.ndarray:
   host = np.asarray(a)
   return host.view(np.dtype(f"u{host.dtype.itemsize}")) if host.dtype.itemsize <= 8 else host
@@ -87,9 +93,7 @@ LAYOUTS = {
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_reads_every_orbax_layout_bit_exactly_onto_the_requested_shardings(tmp_path, layout):
-  mesh = _mesh()
-  state = _state(mesh)
-  item = _save(str(tmp_path / "item"), state, **LAYOUTS[layout])
+  state, item = _saved(tmp_path, layout)
   got = persistent_read.read(item, _abstract(state), _ocp())
   for (path, want), got_leaf in zip(
     jax.tree_util.tree_flatten_with_path(state)[0], jax.tree_util.tree_leaves(got)
@@ -104,10 +108,8 @@ def test_reads_every_orbax_layout_bit_exactly_onto_the_requested_shardings(tmp_p
 def test_arrays_alias_one_aligned_host_buffer_on_cpu(tmp_path):
   """One copy from storage: the restored shards are 64-byte aligned views
   of one buffer laid out like the local tier's file, not fresh copies."""
-  mesh = _mesh()
-  state = _state(mesh)
+  state, item = _saved(tmp_path, "ocdbt-zarr2")
   abstract = _abstract(state)
-  item = _save(str(tmp_path / "item"), state, **LAYOUTS["ocdbt-zarr2"])
   got = persistent_read.read(item, abstract, _ocp())
   paths, leaves, _ = shards.leaf_paths(abstract)
   layout = shards.layout_for(paths, leaves)
@@ -124,18 +126,14 @@ def test_arrays_alias_one_aligned_host_buffer_on_cpu(tmp_path):
 
 
 def test_missing_data_is_a_corrupt_checkpoint_error_naming_the_leaf(tmp_path):
-  mesh = _mesh()
-  state = _state(mesh)
-  item = _save(str(tmp_path / "item"), state, **LAYOUTS["plain-zarr2"])
+  state, item = _saved(tmp_path, "plain-zarr2")
   shutil.rmtree(item / "i8")  # the array's zarr metadata and chunks
   with pytest.raises(CorruptCheckpointError, match="i8"):
     persistent_read.read(item, _abstract(state), _ocp())
 
 
 def test_lost_ocdbt_data_files_raise_instead_of_reading_zeros(tmp_path):
-  mesh = _mesh()
-  state = _state(mesh)
-  item = _save(str(tmp_path / "item"), state, **LAYOUTS["ocdbt-zarr2"])
+  state, item = _saved(tmp_path, "ocdbt-zarr2")
   removed = 0
   for dirpath, _, files in os.walk(item):
     if os.path.basename(dirpath) == "d":  # OCDBT's data files (root and per process)
@@ -148,9 +146,7 @@ def test_lost_ocdbt_data_files_raise_instead_of_reading_zeros(tmp_path):
 
 
 def test_unreadable_metadata_and_mismatched_dtype_are_typed_errors(tmp_path):
-  mesh = _mesh()
-  state = _state(mesh)
-  item = _save(str(tmp_path / "item"), state, **LAYOUTS["ocdbt-zarr2"])
+  state, item = _saved(tmp_path, "ocdbt-zarr2")
   abstract = _abstract(state)
   wrong = dict(abstract, i8=jax.ShapeDtypeStruct((2, 6), np.int16, sharding=state["i8"].sharding))
   with pytest.raises(StateMismatchError, match="i8"):
