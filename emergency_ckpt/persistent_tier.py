@@ -66,6 +66,11 @@ def list_steps(directory: epath.PathLike) -> list[int]:
     forget_listings(directory)  # other processes save and delete steps here
     if not directory.exists():
       return []
+    if not is_gcs(directory):  # Orbax's rule there: final once renamed to its number.
+      # Listed directly: Orbax's checkpoint_steps starts a thread pool per call,
+      # 3-4 ms idle and ~60 ms measured inside a restore with 4 processes on 2
+      # cores, which every process then waited for in the inventory exchange.
+      return sorted(int(p.name) for p in directory.iterdir() if _is_finalized(p) and p.is_dir())
     return sorted(_ocp().path.step.checkpoint_steps(directory))
 
   return storage.retrying(listing, what="listing", path=directory)

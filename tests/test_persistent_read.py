@@ -154,3 +154,18 @@ def test_unreadable_metadata_and_mismatched_dtype_are_typed_errors(tmp_path):
   (item / "_METADATA").write_text("{not json")
   with pytest.raises(CorruptCheckpointError, match="_METADATA"):
     persistent_read.read(item, abstract, _ocp())
+
+
+def test_filesystem_listing_follows_orbaxs_finalization_rule(tmp_path):
+  """persistent_tier.list_steps lists a filesystem tier itself (no thread
+  pool per call) and agrees with Orbax's checkpoint_steps on what this
+  tier's Orbax manager writes: a step is final once renamed to its number."""
+  from emergency_ckpt.persistent_tier import list_steps  # noqa: PLC0415
+
+  tensors = tmp_path / "tensors"
+  for name in ("7", "12", "30.orbax-checkpoint-tmp-1700000000", ".deleting-5", "notes"):
+    (tensors / name).mkdir(parents=True)
+  (tensors / "40").write_text("a file, not a step")
+  assert list_steps(str(tensors)) == [7, 12]
+  assert sorted(_ocp().path.step.checkpoint_steps(str(tensors))) == [7, 12]
+  assert list_steps(str(tmp_path / "absent")) == []
