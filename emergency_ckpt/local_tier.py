@@ -174,6 +174,27 @@ class Staged:
   """Set when `buffer` is a mapped, preallocated shards.bin (no write needed)."""
 
 
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
+
+
+def _map_populated(fd: int, nbytes: int) -> mmap.mmap:
+  """A shared read-write mapping of `fd` whose page-table entries all exist,
+  writable. MADV_POPULATE_WRITE (write faults) takes 0.09 cpu-s per 256 MiB
+  of tmpfs here, MAP_POPULATE (read faults) 0.13, and the copy into either
+  then takes no fault (0.02 s); MAP_POPULATE is the fallback where the
+  kernel lacks the madvise."""
+  prot = mmap.PROT_READ | mmap.PROT_WRITE
+  if sys.platform.startswith("linux"):
+    mapped = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=prot)
+    try:
+      mapped.madvise(MADV_POPULATE_WRITE)
+      return mapped
+    except OSError:  # EINVAL before Linux 5.14 (or it could not populate)
+      mapped.close()
+  flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+  return mmap.mmap(fd, nbytes, flags=flags, prot=prot)
+
+
 @dataclasses.dataclass
 class _Target:
   """A preallocated shards.bin in its own .tmp- folder, mapped shared: a
@@ -206,15 +227,13 @@ class _Target:
     return cls(tmp, nbytes, fd)
 
   def map(self) -> np.ndarray:
-    """Maps the file shared, page tables populated, and returns it as bytes.
-    Populating 256 MiB costs ~0.15 s here, 7x the copy into the populated
-    map: prepared files are mapped in the background (see _prepare_next);
-    only the first save of a layout maps inline."""
+    """Maps the file shared, every page writable in the page tables, and
+    returns it as bytes, so the save's copy takes no page fault. Costs ~0.17
+    cpu-s per 256 MiB here (with fallocate), 8x the copy: prepared files are
+    mapped in the background (see _prepare_next); only the first save of a
+    layout without prepare() maps inline."""
     if self.buffer is None:
-      flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-      self.mapped = mmap.mmap(
-        self.fd, self.nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE
-      )
+      self.mapped = _map_populated(self.fd, self.nbytes)
       self.buffer = np.frombuffer(self.mapped, dtype=np.uint8)
     return self.buffer
 
@@ -462,7 +481,7 @@ class LocalTier:
     except OSError as e:
       logger.debug("%s cannot prepare the next local file: %s", self._topology.log_prefix(), e)
       return
-    try:  # here, not in the save: populating the page tables costs ~7x the copy
+    try:  # here, not in the save: populating the page tables costs ~5x the copy
       target.map()
     except BaseException:
       target.discard()

@@ -826,6 +826,20 @@ def _resident_kib(path: str) -> int | None:
   return total if found else None
 
 
+def test_the_prepared_file_is_mapped_resident_before_the_save(tier, mesh):
+  """Every page of the prepared file is in this process's page tables before
+  the save copies into it (the copy must take no page fault), whichever of
+  MADV_POPULATE_WRITE or MAP_POPULATE did it."""
+  value = np.arange(4 << 20, dtype=np.uint32)  # 16 MiB
+  big = {"x": jax.device_put(value, NamedSharding(mesh, P("data")))}
+  paths, leaves, _ = shards_lib.leaf_paths(big)
+  tier.prepare(paths, leaves)
+  tier.wait_idle()
+  (name,) = [n for n in os.listdir(tier.directory) if n.startswith(".tmp-next-")]
+  shards_bin = os.path.join(tier.directory, name, "shards.bin")
+  assert _resident_kib(shards_bin) == os.path.getsize(shards_bin) // 1024
+
+
 def test_a_lingering_view_keeps_no_pages_of_a_written_step_resident(tier, mesh):
   """Once a step is written and no reader holds it, its mapping's pages
   leave the process (RSS) even if a view outlives it (tensorstore keeps an
