@@ -30,6 +30,7 @@ from etils import epath
 
 from emergency_ckpt import shards as shards_lib
 from emergency_ckpt.errors import CorruptCheckpointError, StateMismatchError
+from emergency_ckpt.local_tier import aligned_empty
 
 METADATA = "_METADATA"
 
@@ -75,8 +76,6 @@ def read(item_dir: epath.Path, abstract_tree: Any, ocp: Any) -> Any:
     )
 
   layout = shards_lib.layout_for(paths, abstract)
-  from emergency_ckpt.local_tier import aligned_empty  # noqa: PLC0415 - no cycle at import
-
   buffer = aligned_empty(layout.nbytes)
   opened = [ts.open(spec(name), read=True, context=context) for name in names]
   writes = []
