@@ -77,9 +77,13 @@ def read(item_dir: epath.Path, abstract_tree: Any, ocp: Any) -> Any:
 
   layout = shards_lib.layout_for(paths, abstract)
   buffer = aligned_empty(layout.nbytes)
+  views = [
+    {slot.index: shards_lib.view(buffer, leaf, slot) for slot in leaf.slots}
+    for leaf in layout.leaves
+  ]
   opened = [ts.open(spec(name), read=True, context=context) for name in names]
   writes = []
-  for name, future, leaf in zip(names, opened, layout.leaves):
+  for name, future, leaf, by_index in zip(names, opened, layout.leaves, views):
     store = _wait(future.result, name, item_dir)
     if tuple(store.shape) != leaf.shape or np.dtype(store.dtype.numpy_dtype) != leaf.dtype:
       raise StateMismatchError(
@@ -87,17 +91,12 @@ def read(item_dir: epath.Path, abstract_tree: Any, ocp: Any) -> Any:
         f" holds {np.dtype(store.dtype.numpy_dtype)}{tuple(store.shape)}."
       )
     for slot in leaf.slots:
-      if slot.nbytes == 0:
-        continue
-      source = store[tuple(slice(lo, hi) for lo, hi in slot.index)]
-      target = ts.array(shards_lib.view(buffer, leaf, slot), copy=False)
-      writes.append((name, target.write(source)))
+      if slot.nbytes:
+        source = store[tuple(slice(lo, hi) for lo, hi in slot.index)]
+        writes.append((name, ts.array(by_index[slot.index], copy=False).write(source)))
   for name, write in writes:
     _wait(write.result, name, item_dir)
-  arrays = [
-    shards_lib.assemble(a, {slot.index: shards_lib.view(buffer, leaf, slot) for slot in leaf.slots})
-    for a, leaf in zip(abstract, layout.leaves)
-  ]
+  arrays = [shards_lib.assemble(a, by_index) for a, by_index in zip(abstract, views)]
   return jax.tree_util.tree_unflatten(treedef, arrays)
 
 
