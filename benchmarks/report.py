@@ -12,6 +12,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from benchmarks import workers
 from benchmarks.adapters import MANAGERS, ORBAX_MS, ORBAX_P2P, OURS
 
 MIB = 2**20
@@ -395,7 +396,9 @@ def markdown(doc: dict) -> str:
     " warm-up round per process (compiles); the JSON splits construct_s and"
     " restore_call_s and gives first_in_process_total_s. The restart row is"
     " the cold path end to end.",
-    "- saves: one untimed warm-up save, then timed saves on the same manager;"
-    " every step hits both tiers of every manager (steps are multiples of 1000).",
+    f"- saves: {workers.WARMUP_SAVES} untimed warm-up saves (steady state: ours"
+    " writes into a retired step's file from its 4th save on), then timed saves on"
+    " the same manager; every step hits both tiers of every manager (steps are"
+    " multiples of 1000). The first-save row is the first warm-up save.",
   ]
   return "\n".join(lines) + "\n"

@@ -69,3 +69,9 @@ class ProtectedStepError(StepError):
 
 class MetricsError(EmergencyCheckpointError, TypeError):
   """save(metrics=...) is not a dict of names to finite numbers."""
+
+
+class PeerTransferError(EmergencyCheckpointError, ConnectionError):
+  """Raised on every process when a cross-slice transfer failed on some
+  process (a refused or broken connection, a shard failing its checksum);
+  restore() then reads the persistent tier or an older step."""

@@ -4,22 +4,32 @@ Layout (per process; nobody else reads it):
   <directory>/<run_id>/process_<i>/step_<N>/shards.bin     raw shard bytes
   <directory>/<run_id>/process_<i>/step_<N>/manifest.json  tree, shards, CRC32Cs
   <directory>/<run_id>/process_<i>/.tmp-step_<N>-<uuid>/   a save in progress
+  <directory>/<run_id>/process_<i>/.tmp-spare-<uuid>/      a retired step's file, reused
 
 A step exists only once its folder is renamed from .tmp-*, after both files are
 written, so a crash never leaves a listed partial step. Every shard carries a
 CRC32C (hardware, ~8 GB/s here; zlib's CRC32 was 3x slower and a third of a
 local save) checked on read; the manifest carries a CRC32 over its own body.
 
-Saves copy the shards straight into the ramdisk: after each save a
-background thread preallocates the next step's .tmp-*/shards.bin and maps it
-shared, so the save's copy IS the write (committing it is a checksum pass,
-the manifest and a rename). The ramdisk holds that one prepared file extra.
-If it cannot be made (ENOSPC), the save stages in host memory and write()s.
+A save copies the shards into a reused, already-faulted host staging buffer
+(the only stall: a memcpy); a background thread then pwrite()s the buffer
+into the ramdisk, computing each shard's CRC32C on the chunk it writes. The
+file it writes into is, in steady state, the shards.bin of a step that local
+retention retired (kept as a spare instead of unlinked): the kernel copies
+into tmpfs pages that already exist, so no page is allocated, zeroed or
+mapped into this process. Per 256 MiB process here: 0.05 cpu-s for that
+write, 0.13 into a fresh file; mapping a preallocated file instead (the
+design before) cost 0.19 cpu-s of fallocate and page-table work per save.
+The price is memory: the staging buffer stays allocated between saves (as
+DCP's cached staging buffers do), beside the kept steps and one spare file.
+
+A file this process has mapped to restore from is never reused: restored
+arrays alias its pages through a private mapping, which would see the
+overwrite. Such a step is unlinked when retired (its pages live on for the
+mapping).
 
 Reads map shards.bin (no copy into a private buffer): on CPU the restored
 arrays alias those pages (copy-on-write), so a restore costs one checksum pass.
-Files are never modified in place (written to .tmp-*, renamed, deleted by
-rename + unlink), so a mapping never sees its file shrink.
 
 Why not Orbax here: Orbax's local handlers (zarr3 + zstd through tensorstore,
 with barriers across processes) measured 6.2x a raw ramdisk write on this
@@ -51,6 +61,7 @@ import numpy as np
 
 from emergency_ckpt import failpoints
 from emergency_ckpt import shards as shards_lib
+from emergency_ckpt.colocated import StagingWindow
 from emergency_ckpt.errors import (
   CorruptCheckpointError,
   StateMismatchError,
@@ -64,7 +75,7 @@ logger = logging.getLogger("emergency_ckpt")
 
 FORMAT = "emergency_ckpt.local/1"
 _STEP_RE = re.compile(r"^step_(\d+)$")
-_CHUNK = 64 << 20
+_CHUNK = 4 << 20  # a written piece is still in cache for its CRC32C
 _PAGE = mmap.PAGESIZE
 
 
@@ -89,10 +100,11 @@ BACKGROUND_NICE = 19
 def lower_thread_priority() -> None:
   """Runs the calling thread at the lowest CPU priority (Linux: nice is per
   thread). For background work that only prepares for later (the next
-  save's file): on this 2-core machine, preparing at normal priority right
-  after a peer restore made the restore's tail (block_until_ready) a median
-  0.24-0.34 s instead of 0.12-0.13 s, the whole restore 0.87-0.92 s instead
-  of 0.64-0.66 s. Elsewhere a no-op."""
+  save's staging buffer): on this 2-core machine, preparing at normal
+  priority right after a peer restore made the restore's tail
+  (block_until_ready) a median 0.24-0.34 s instead of 0.12-0.13 s, the whole
+  restore 0.87-0.92 s instead of 0.64-0.66 s (measured when preparing meant
+  allocating and mapping a ramdisk file). Elsewhere a no-op."""
   if not sys.platform.startswith("linux"):
     return
   try:
@@ -164,88 +176,12 @@ def decode_manifest(raw: bytes, where: str) -> dict:
 
 @dataclasses.dataclass
 class Staged:
-  """A step copied to host memory, waiting to be written."""
+  """A step copied to a host staging buffer, waiting to be written."""
 
   step: int
   layout: shards_lib.Layout
   buffer: np.ndarray
   stall_s: float
-  target: _Target | None = None
-  """Set when `buffer` is a mapped, preallocated shards.bin (no write needed)."""
-
-
-MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
-
-
-def _map_populated(fd: int, nbytes: int) -> mmap.mmap:
-  """A shared read-write mapping of `fd` whose page-table entries all exist,
-  writable. MADV_POPULATE_WRITE (write faults) takes 0.09 cpu-s per 256 MiB
-  of tmpfs here, MAP_POPULATE (read faults) 0.13, and the copy into either
-  then takes no fault (0.02 s); MAP_POPULATE is the fallback where the
-  kernel lacks the madvise."""
-  prot = mmap.PROT_READ | mmap.PROT_WRITE
-  if sys.platform.startswith("linux"):
-    mapped = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=prot)
-    try:
-      mapped.madvise(MADV_POPULATE_WRITE)
-      return mapped
-    except OSError:  # EINVAL before Linux 5.14 (or it could not populate)
-      mapped.close()
-  flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-  return mmap.mmap(fd, nbytes, flags=flags, prot=prot)
-
-
-@dataclasses.dataclass
-class _Target:
-  """A preallocated shards.bin in its own .tmp- folder, mapped shared: a
-  save copies the shards straight into the ramdisk file, so committing it
-  needs no write() of the bytes (one copy instead of two). Prepared in the
-  background after each save, for the next one."""
-
-  tmp: str
-  nbytes: int
-  fd: int
-  mapped: mmap.mmap | None = None
-  buffer: np.ndarray | None = None
-  readers: int = 0  # besides the write (a background upload viewing it)
-  written: bool = False
-
-  @classmethod
-  def create(cls, directory: str, nbytes: int) -> _Target:
-    tmp = os.path.join(directory, f".tmp-next-{uuid.uuid4().hex[:12]}")
-    os.mkdir(tmp, 0o700)
-    try:
-      fd = os.open(os.path.join(tmp, "shards.bin"), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-      try:
-        os.posix_fallocate(fd, 0, nbytes)  # ENOSPC now, not as SIGBUS mid-copy
-      except BaseException:
-        os.close(fd)
-        raise
-    except BaseException:
-      shutil.rmtree(tmp, ignore_errors=True)
-      raise
-    return cls(tmp, nbytes, fd)
-
-  def map(self) -> np.ndarray:
-    """Maps the file shared, every page writable in the page tables, and
-    returns it as bytes, so the save's copy takes no page fault. Costs ~0.17
-    cpu-s per 256 MiB here (with fallocate), 8x the copy: prepared files are
-    mapped in the background (see _prepare_next); only the first save of a
-    layout without prepare() maps inline."""
-    if self.buffer is None:
-      self.mapped = _map_populated(self.fd, self.nbytes)
-      self.buffer = np.frombuffer(self.mapped, dtype=np.uint8)
-    return self.buffer
-
-  def close(self) -> None:
-    """Closes the file (the mapping lives while arrays still view it)."""
-    if self.fd >= 0:
-      os.close(self.fd)
-      self.fd = -1
-
-  def discard(self) -> None:
-    self.close()
-    shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,11 +193,20 @@ class WriteResult:
   error: str | None = None
 
 
+def _fault_in(buf: np.ndarray) -> None:
+  """Touches every page of `buf` (its contents are garbage either way), so a
+  later copy into it takes no page fault. numpy's large allocations ask for
+  transparent huge pages: 0.03 s per 256 MiB here."""
+  if buf.nbytes:
+    buf[::_PAGE] = 0
+    buf[-1] = 0
+
+
 class _BufferPool:
-  """Host staging buffers. At most `count` local writes hold one at a time
-  (acquire blocks while all are writing); a buffer that something else still
-  reads (a background persistent upload, see hold) goes back to the free list
-  only when that reader lets go too."""
+  """Reused host staging buffers. At most `count` local writes hold one at a
+  time (acquire blocks while all are writing); a buffer that something else
+  still reads (a background persistent upload, see hold) goes back to the
+  free list only when that reader lets go too."""
 
   def __init__(self, count: int):
     self._sem = threading.Semaphore(count)
@@ -271,27 +216,34 @@ class _BufferPool:
     self._holders: dict[int, int] = {}  # id(buffer) -> readers besides the write
     self._writing: set[int] = set()  # id(buffer) of buffers a local write holds
 
-  def acquire(self, nbytes: int) -> np.ndarray:
-    self._sem.acquire()
+  def _take_free(self, nbytes: int) -> np.ndarray | None:
     with self._lock:
       i = next((i for i, b in enumerate(self._free) if b.nbytes == nbytes), None)
       if i is None:
         self._free.clear()  # the layout changed: drop old sizes
-        buf = None
-      else:
-        buf = self._free.pop(i)
-    if buf is None:
+        return None
+      return self._free.pop(i)
+
+  def acquire(self, nbytes: int) -> np.ndarray:
+    self._sem.acquire()
+    buf = self._take_free(nbytes)
+    if buf is None:  # the first save of a layout without preallocate(): faults in the copy
       buf = aligned_empty(nbytes)
     with self._lock:
       self._writing.add(id(buf))
     return buf
 
-  def acquire_slot(self) -> None:
-    """A write slot without a pool buffer (the save stages into a mapped file)."""
-    self._sem.acquire()
-
-  def release_slot(self) -> None:
-    self._sem.release()
+  def preallocate(self, nbytes: int) -> None:
+    """Makes sure a free, faulted-in buffer of `nbytes` exists (so the next
+    acquire's copy takes no page fault). Blocks on allocating and touching it."""
+    with self._lock:
+      if any(b.nbytes == nbytes for b in self._free):
+        return
+    buf = aligned_empty(nbytes)
+    _fault_in(buf)
+    with self._lock:
+      self._free = [b for b in self._free if b.nbytes == nbytes]
+      self._put_back(buf)
 
   def hold(self, buf: np.ndarray) -> None:
     """One more reader of `buf`; it must call unhold(buf) when done."""
@@ -319,6 +271,10 @@ class _BufferPool:
       if id(buf) not in self._holders:
         self._put_back(buf)
     self._sem.release()
+
+  def clear(self) -> None:
+    with self._lock:
+      self._free.clear()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -350,8 +306,11 @@ class LocalTier:
     self._preparer = concurrent.futures.ThreadPoolExecutor(
       max_workers=1, thread_name_prefix="ec-local-prepare", initializer=lower_thread_priority
     )
-    self._next_lock = threading.Lock()
-    self._next: _Target | None = None
+    self._spare_lock = threading.Lock()
+    self._spares: list[str] = []  # .tmp-spare-* folders, each holding a retired shards.bin
+    self._max_spares = options.staging_buffers  # one per write that may run at once
+    self._mapped: set[tuple[int, int]] = set()  # (st_dev, st_ino) of files read() mapped
+    self._window = StagingWindow(run_id)  # co-located processes' staging copies
     self._closed = False
     self._cleanup_tmp()
 
@@ -404,119 +363,44 @@ class LocalTier:
 
   # ---- save ----------------------------------------------------------------
   def stage(self, step: int, paths: Sequence[str], arrays: Sequence[Any]) -> Staged:
-    """Copies this process's shards to a host buffer. Blocks on that copy only
-    (and on a free buffer, if `staging_buffers` writes are still running)."""
+    """Copies this process's shards to a host staging buffer. Blocks on that
+    copy only (and on a free buffer, if `staging_buffers` writes are still
+    running)."""
     t0 = time.perf_counter()
     layout = shards_lib.layout_for(paths, arrays)
-    target = self._take_target(layout.nbytes)
-    if target is None:  # no file (0 bytes, or the ramdisk is full): a host buffer
-      buffer = self._pool.acquire(layout.nbytes)
-    else:
-      self._pool.acquire_slot()
-      try:
-        buffer = target.map()
-      except BaseException:
-        self._pool.release_slot()
-        target.discard()
-        raise
+    buffer = self._pool.acquire(layout.nbytes)
     try:
-      if target is not None:  # now a save in progress of `step`, by its name
-        named = os.path.join(self.directory, f".tmp-step_{step}-{uuid.uuid4().hex[:8]}")
-        os.rename(target.tmp, named)
-        target.tmp = named
-      if target is not None and failpoints.armed("local.mid_write", step):
-        # A crash test: die with half the shards copied into the .tmp file.
-        half = max(1, len(layout.leaves) // 2)
-        shards_lib.stage(arrays[:half], layout, buffer)
-        failpoints.hit("local.mid_write", step)
       shards_lib.stage(arrays, layout, buffer)
     except BaseException:
-      self._release(Staged(step, layout, buffer, 0.0, target))
-      if target is not None:
-        target.discard()
+      self._pool.release(buffer)
       raise
-    return Staged(step, layout, buffer, time.perf_counter() - t0, target)
+    return Staged(step, layout, buffer, time.perf_counter() - t0)
 
-  def _take_target(self, nbytes: int) -> _Target | None:
-    """The prepared file if it fits `nbytes`, else a new one (the first save,
-    or a new layout), else None (0 bytes, or it cannot be created)."""
-    with self._next_lock:
-      target, self._next = self._next, None
-    if target is not None and target.nbytes == nbytes:
-      return target
-    if target is not None:
-      target.discard()
-    if nbytes == 0:
-      return None
-    try:
-      return _Target.create(self.directory, nbytes)
-    except OSError as e:
-      logger.warning(
-        "%s cannot preallocate %d bytes in %s (%s): staging in host memory; the"
-        " local write will likely fail too.",
-        self._topology.log_prefix(),
-        nbytes,
-        self.directory,
-        e,
-      )
-      return None
+  def staging(self):
+    """A context in which this process counts as staging: co-located
+    processes of the run hold their background work until it ends (see
+    colocated.py). Called by: the thread that calls stage(). Never blocks."""
+    return self._window.staging()
+
+  def wait_others_staged(self, staged: Staged) -> float:
+    """Blocks until no process of this run on this machine is copying a
+    step (capped at 1 s + 4x this process's own copy time); returns the
+    seconds waited. Called by: background threads, before memory-heavy
+    work on `staged` (see colocated.py)."""
+    return self._window.wait_closed(1.0 + 4 * staged.stall_s)
 
   def prepare(self, paths: Sequence[str], abstract: Sequence[Any]) -> None:
-    """Starts preparing (in the background) the file that a save of this
-    layout will copy into, so that the first save does not stall on
-    allocating and mapping it (seconds for fresh memory). Blocks on nothing."""
+    """Starts allocating and faulting in (in the background) the staging
+    buffer that a save of this layout copies into, so that the first save
+    does not take a page fault per page inside its stall. Blocks on nothing."""
     nbytes = shards_lib.layout_for(paths, abstract).nbytes
-    with self._next_lock:
-      if self._closed or nbytes == 0:
-        return
-    self._preparer.submit(self._prepare_next, nbytes)
-
-  def _prepare_next(self, nbytes: int) -> None:
-    """Background: the file the next save of `nbytes` copies into."""
-    with self._next_lock:
-      if self._closed or (self._next is not None and self._next.nbytes == nbytes):
-        return
-    try:
-      target = _Target.create(self.directory, nbytes)
-    except OSError as e:
-      logger.debug("%s cannot prepare the next local file: %s", self._topology.log_prefix(), e)
+    if self._closed or nbytes == 0:
       return
-    try:  # here, not in the save: populating the page tables costs ~5x the copy
-      target.map()
-    except BaseException:
-      target.discard()
-      raise
-    with self._next_lock:
-      old, self._next = self._next, target
-      if self._closed:
-        old, self._next = target, None
-    if old is not None:
-      old.discard()
-
-  def _release(self, staged: Staged) -> None:
-    if staged.target is None:
-      self._pool.release(staged.buffer)
-    else:
-      self._pool.release_slot()
+    self._preparer.submit(self._pool.preallocate, nbytes)
 
   def hold(self, staged: Staged) -> Callable[[], None]:
     """Keeps `staged.buffer` from reuse (for another reader, e.g. a
     background upload) until the returned function is called, once."""
-    target = staged.target
-    if target is not None:  # a mapped file is never reused (it lives as long
-      # as arrays view it); the next one is prepared once nobody reads this
-      # one, so two steps' pages are never mapped at once
-      with self._next_lock:
-        target.readers += 1
-
-      def release() -> None:
-        with self._next_lock:
-          target.readers -= 1
-          ready = target.readers == 0 and target.written
-        if ready:
-          self._retire(target)
-
-      return release
     self._pool.hold(staged.buffer)
     return lambda: self._pool.unhold(staged.buffer)
 
@@ -532,31 +416,7 @@ class LocalTier:
 
   def discard(self, staged: Staged) -> None:
     """Gives back a staged step that will not be written locally."""
-    self._release(staged)
-    target = staged.target
-    if target is not None:
-      target.discard()  # arrays still viewing it keep the pages
-      with self._next_lock:
-        target.written = True
-        ready = target.readers == 0
-      if ready:
-        self._retire(target)
-
-  def _retire(self, target: _Target) -> None:
-    """`target` is written (or discarded) and no reader is left: its pages
-    leave this process's page tables and the next file is prepared. A view
-    that outlives its reader (tensorstore keeps written source arrays
-    referenced until its cache lets go, often until a GC cycle) must not keep
-    a second step's pages resident beside the next prepared file: for a
-    shared file mapping, MADV_DONTNEED only drops the page-table entries; the
-    bytes stay in the file and a later access maps them in again."""
-    mapped, target.mapped, target.buffer = target.mapped, None, None
-    if mapped is not None and hasattr(mmap, "MADV_DONTNEED"):
-      try:
-        mapped.madvise(mmap.MADV_DONTNEED)
-      except (OSError, ValueError) as e:  # ValueError: already closed
-        logger.debug("%s madvise(DONTNEED) failed: %s", self._topology.log_prefix(), e)
-    self._preparer.submit(self._prepare_next, target.nbytes)
+    self._pool.release(staged.buffer)
 
   def write_async(
     self, staged: Staged, on_done: Callable[[WriteResult], None] | None = None
@@ -577,15 +437,7 @@ class LocalTier:
         )
         result = WriteResult(staged.step, False, 0, time.perf_counter() - t0, str(e))
       finally:
-        self._release(staged)
-        target = staged.target
-        if target is not None:
-          target.close()
-          with self._next_lock:
-            target.written = True
-            ready = target.readers == 0
-          if ready:
-            self._retire(target)
+        self._pool.release(staged.buffer)
       if on_done is not None:
         on_done(result)
       return result
@@ -594,18 +446,13 @@ class LocalTier:
 
   def _write(self, staged: Staged) -> None:
     final = self.step_dir(staged.step)
-    target = staged.target
-    if target is None:
-      tmp = os.path.join(self.directory, f".tmp-step_{staged.step}-{uuid.uuid4().hex[:8]}")
-    else:
-      tmp = target.tmp  # the bytes are already in its shards.bin
     failpoints.hit("local.before_write", staged.step)
-    if target is None:
-      os.mkdir(tmp, 0o700)
+    self.wait_others_staged(staged)
+    tmp = self._open_save_dir(staged.step, staged.layout.nbytes)
     try:
-      buf = staged.buffer
+      crcs = self._write_shards(os.path.join(tmp, "shards.bin"), staged)
       leaves = []
-      for leaf in staged.layout.leaves:
+      for leaf, leaf_crcs in zip(staged.layout.leaves, crcs):
         leaves.append(
           {
             "path": leaf.path,
@@ -616,17 +463,12 @@ class LocalTier:
                 "index": [list(r) for r in slot.index],
                 "offset": slot.offset,
                 "nbytes": slot.nbytes,
-                **shard_checksum(buf[slot.offset : slot.offset + slot.nbytes]),
+                "crc32c": crc,
               }
-              for slot in leaf.slots
+              for slot, crc in zip(leaf.slots, leaf_crcs)
             ],
           }
         )
-      if target is not None:
-        target.mapped.flush()  # msync: a no-op on tmpfs, needed on a disk
-        os.fsync(target.fd)
-      else:
-        self._write_bytes(tmp, staged)
       body = {
         "format": FORMAT,
         "step": staged.step,
@@ -651,20 +493,52 @@ class LocalTier:
       shutil.rmtree(tmp, ignore_errors=True)
       raise
 
-  def _write_bytes(self, tmp: str, staged: Staged) -> None:
-    """The staged host buffer into tmp/shards.bin (when no file was mapped)."""
+  def _open_save_dir(self, step: int, nbytes: int) -> str:
+    """The .tmp-step_<step>-* folder of a save in progress: a spare (a
+    retired step's folder whose shards.bin has exactly `nbytes`) renamed to
+    it, or a new folder."""
+    tmp = os.path.join(self.directory, f".tmp-step_{step}-{uuid.uuid4().hex[:8]}")
+    while True:
+      with self._spare_lock:
+        spare = self._spares.pop() if self._spares else None
+      if spare is None:
+        os.mkdir(tmp, 0o700)
+        return tmp
+      try:
+        if os.stat(os.path.join(spare, "shards.bin")).st_size == nbytes:
+          os.rename(spare, tmp)
+          return tmp
+      except OSError:  # gone (the ramdisk was wiped): try the next one
+        pass
+      shutil.rmtree(spare, ignore_errors=True)  # another layout's size
+
+  def _write_shards(self, path: str, staged: Staged) -> list[list[int]]:
+    """pwrite()s every shard of the staged buffer to `path` (created, or a
+    recycled file: every byte a shard needs is overwritten; the padding
+    between shards is never read) and returns each shard's CRC32C, computed
+    on the chunk just written while it is still in cache."""
     buf = staged.buffer
-    fd = os.open(os.path.join(tmp, "shards.bin"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    nbytes = staged.layout.nbytes
+    crash_at = nbytes // 2 if failpoints.armed("local.mid_write", staged.step) else None
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     try:
-      view = memoryview(buf)
-      pos = 0
-      chunk = _CHUNK
-      if failpoints.armed("local.mid_write", staged.step):
-        chunk = max(1, buf.nbytes // 2)
-      while pos < buf.nbytes:
-        pos += os.write(fd, view[pos : pos + chunk])
-        failpoints.hit("local.mid_write", staged.step)
-      os.fsync(fd)
+      crcs = []
+      for leaf in staged.layout.leaves:
+        leaf_crcs = []
+        for slot in leaf.slots:
+          crc, pos, end = 0, slot.offset, slot.offset + slot.nbytes
+          while pos < end:
+            piece = buf[pos : min(end, pos + _CHUNK)]
+            crc = crc32c.crc32c(piece, crc)
+            pos += os.pwrite(fd, piece, pos)
+            if crash_at is not None and pos >= crash_at:
+              failpoints.hit("local.mid_write", staged.step)  # a crash test: half written
+          leaf_crcs.append(crc)
+        crcs.append(leaf_crcs)
+      if os.fstat(fd).st_size != nbytes:  # a new file: its trailing padding
+        os.ftruncate(fd, nbytes)
+      os.fsync(fd)  # a no-op on tmpfs, needed on a disk
+      return crcs
     finally:
       os.close(fd)
 
@@ -673,14 +547,15 @@ class LocalTier:
     self._executor.submit(lambda: None).result()
 
   def wait_idle(self) -> None:
-    """wait(), then until the next save's file is prepared too (background
-    work a save started: a caller timing CPU or RAM should count it)."""
+    """wait(), then until a prepared staging buffer is ready too (background
+    work a caller timing CPU or RAM should count)."""
     self.wait()
     self._preparer.submit(lambda: None).result()
 
   # ---- read ----------------------------------------------------------------
   def read(self, step: int, paths: Sequence[str], abstract: Sequence[Any]) -> LocalStep:
     """Reads and verifies this process's shards of `step` for `abstract`.
+    Its shards.bin is never recycled afterwards (the arrays alias it).
 
     Raises CorruptCheckpointError (bad bytes), TopologyMismatchError (needed
     shards absent) or StateMismatchError (tree/shape/dtype differ).
@@ -690,7 +565,11 @@ class LocalTier:
     saved = {leaf["path"]: leaf for leaf in body["leaves"]}
     check_tree_matches(list(saved), paths, where)
     layout = shards_lib.layout_for(paths, abstract)
-    buf = map_file(os.path.join(where, "shards.bin"), body["nbytes"], where)
+    with open(os.path.join(where, "shards.bin"), "rb") as f:
+      st = os.fstat(f.fileno())
+      with self._spare_lock:
+        self._mapped.add((st.st_dev, st.st_ino))
+      buf = _map_open(f, body["nbytes"], where)
     out = []
     for leaf in layout.leaves:
       rec = saved[leaf.path]
@@ -721,30 +600,64 @@ class LocalTier:
     return LocalStep(step, body, out)
 
   # ---- delete --------------------------------------------------------------
-  def delete(self, step: int) -> None:
-    """Deletes one of this process's steps (renamed away first)."""
-    delete_step_dir(self.step_dir(step))
+  def delete(self, step: int, *, recycle: bool = False) -> None:
+    """Deletes one of this process's steps (renamed away first). With
+    `recycle`, its shards.bin is kept as a spare for a later save to write
+    into, unless this process mapped it (read()) or enough spares exist."""
+    doomed = rename_out_of_namespace(self.step_dir(step))
+    if doomed is None:
+      return
+    if recycle and self._keep_as_spare(doomed):
+      return
+    _remove(doomed)
+
+  def _keep_as_spare(self, doomed: str) -> bool:
+    if os.path.islink(doomed):
+      return False
+    try:
+      st = os.stat(os.path.join(doomed, "shards.bin"), follow_symlinks=False)
+    except OSError:
+      return False
+    with self._spare_lock:
+      if (
+        self._closed
+        or len(self._spares) >= self._max_spares
+        or not stat.S_ISREG(st.st_mode)
+        or (st.st_dev, st.st_ino) in self._mapped
+      ):
+        return False
+      spare = os.path.join(self.directory, f".tmp-spare-{uuid.uuid4().hex[:12]}")
+      try:
+        os.rename(doomed, spare)
+        for name in os.listdir(spare):
+          if name != "shards.bin":
+            os.unlink(os.path.join(spare, name))
+      except OSError:
+        return False
+      self._spares.append(spare)
+    return True
 
   def apply_retention(self, keep: set[int], among: Sequence[int] | None = None) -> list[int]:
     """Deletes committed steps not in `keep`, considering only `among` (the
     listing `keep` was computed from: a step written since is never touched)
-    or, if None, a fresh listing. Returns the deleted steps."""
+    or, if None, a fresh listing; their files become spares for later saves.
+    Returns the deleted steps."""
     doomed = [s for s in (self.steps() if among is None else among) if s not in keep]
     for s in doomed:
-      self.delete(s)
+      self.delete(s, recycle=True)
     return doomed
 
   def close(self) -> None:
+    """Waits for writes, then removes the spares and drops the staging buffers."""
     self._executor.shutdown(wait=True)
-    with self._next_lock:
-      self._closed = True
-      target, self._next = self._next, None
     self._preparer.shutdown(wait=True)
-    with self._next_lock:
-      late, self._next = self._next, None
-    for t in (target, late):
-      if t is not None:
-        t.discard()
+    with self._spare_lock:
+      self._closed = True
+      spares, self._spares = self._spares, []
+    for spare in spares:
+      shutil.rmtree(spare, ignore_errors=True)
+    self._pool.clear()
+    self._window.close()
 
 
 def check_tree_matches(saved_paths: Sequence[str], paths: Sequence[str], where: str) -> None:
@@ -765,17 +678,21 @@ def map_file(path: str, nbytes: int, where: str) -> np.ndarray:
   mapping: nothing is copied, and writes through the array never reach the
   file. Raises CorruptCheckpointError if the size is not `nbytes`."""
   with open(path, "rb") as f:
-    size = os.fstat(f.fileno()).st_size
-    if size != nbytes:
-      raise CorruptCheckpointError(
-        f"{where}/shards.bin has the wrong size ({size} bytes, manifest says {nbytes})"
-      )
-    if nbytes == 0:
-      return np.empty(0, dtype=np.uint8)
-    # No MAP_POPULATE: on a writable private mapping it would copy every page.
-    mapped = mmap.mmap(
-      f.fileno(), nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
+    return _map_open(f, nbytes, where)
+
+
+def _map_open(f, nbytes: int, where: str) -> np.ndarray:
+  size = os.fstat(f.fileno()).st_size
+  if size != nbytes:
+    raise CorruptCheckpointError(
+      f"{where}/shards.bin has the wrong size ({size} bytes, manifest says {nbytes})"
     )
+  if nbytes == 0:
+    return np.empty(0, dtype=np.uint8)
+  # No MAP_POPULATE: on a writable private mapping it would copy every page.
+  mapped = mmap.mmap(
+    f.fileno(), nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
+  )
   return np.frombuffer(mapped, dtype=np.uint8)
 
 
@@ -801,19 +718,31 @@ def verify_step_dir(path: str) -> tuple[dict | None, list[str]]:
   return body, problems
 
 
-def delete_step_dir(path: str) -> None:
-  """Deletes one local step folder as LocalTier.delete does: renamed out of
-  the step namespace first (a crash mid-delete never leaves a listed, partial
-  step; the `.tmp-` leftover is removed when a manager next starts), then
-  removed. No-op if absent. For offline tools (`emergency-ckpt gc`): raises
-  OSError if the folder cannot be renamed or removed."""
+def rename_out_of_namespace(path: str) -> str | None:
+  """Renames a step folder to a `.tmp-delete-` name beside it (a crash
+  mid-delete never leaves a listed, partial step; the leftover is removed
+  when a manager next starts); returns the new path, or None if absent."""
   path = os.path.abspath(path)
   if not os.path.lexists(path):
-    return
+    return None
   parent, name = os.path.split(path)
   doomed = os.path.join(parent, f".tmp-delete-{name}-{uuid.uuid4().hex[:8]}")
   os.rename(path, doomed)
+  return doomed
+
+
+def _remove(doomed: str) -> None:
   if os.path.islink(doomed):  # never follow a planted link
     os.unlink(doomed)
   else:
     shutil.rmtree(doomed)
+
+
+def delete_step_dir(path: str) -> None:
+  """Deletes one local step folder as LocalTier.delete does: renamed out of
+  the step namespace first, then removed. No-op if absent. For offline tools
+  (`emergency-ckpt gc`): raises OSError if the folder cannot be renamed or
+  removed."""
+  doomed = rename_out_of_namespace(path)
+  if doomed is not None:
+    _remove(doomed)

@@ -19,7 +19,7 @@ from typing import Any
 import jax
 from etils import epath
 
-from emergency_ckpt import failpoints, peer, persistent_tier, policies, restore_plan
+from emergency_ckpt import failpoints, peer, peer_stream, persistent_tier, policies, restore_plan
 from emergency_ckpt import shards as shards_lib
 from emergency_ckpt.errors import (
   CollectiveTimeoutError,
@@ -29,6 +29,7 @@ from emergency_ckpt.errors import (
   InvalidOptionsError,
   MetricsError,
   NoRestorableCheckpointError,
+  PeerTransferError,
   ProtectedStepError,
   StateMismatchError,
   StepAlreadyExistsError,
@@ -45,6 +46,7 @@ from emergency_ckpt.telemetry import EventLog
 from emergency_ckpt.topology import (
   Collectives,
   init_orbax_multihost,
+  peer_host,
   reached_preemption,
   topology_from_mesh,
 )
@@ -236,6 +238,23 @@ class CheckpointManager:
         t for t, on in (("local", decision.local), ("persistent", decision.persistent)) if on
       ],
     }
+    # Co-located processes of this job start their background work only
+    # once no process on this machine is inside this part (colocated.py).
+    with self._local.staging():
+      nbytes = self._stage_and_dispatch(step, state, data_state, decision, paths, leaves, treedef)
+    self._last_step = step
+    self._events.record(
+      "save",
+      step=step,
+      tiers=self._info[step]["tiers"],
+      bytes=nbytes,
+      stall_s=round(time.monotonic() - t0, 6),
+    )
+    return True
+
+  def _stage_and_dispatch(self, step, state, data_state, decision, paths, leaves, treedef) -> int:
+    """save()'s copy and the background work it starts; returns the bytes
+    staged for the local tier (0 if it does not save locally)."""
     nbytes = 0
     persistent = decision.persistent and self._topology.is_primary_slice
     staged = None
@@ -256,25 +275,15 @@ class CheckpointManager:
       self._queue_state(step, data_state)
     if persistent and self._upload_snapshots:
       abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in leaves]
-      self._persistent.save_snapshot(
-        step,
-        state,
-        lambda: jax.tree_util.tree_unflatten(
-          treedef, self._local.snapshot_arrays(staged, abstract)
-        ),
-        release,
-      )
+
+      def snapshot_tree() -> Any:  # on the upload thread
+        self._local.wait_others_staged(staged)
+        return jax.tree_util.tree_unflatten(treedef, self._local.snapshot_arrays(staged, abstract))
+
+      self._persistent.save_snapshot(step, state, snapshot_tree, release)
     elif persistent:
       self._persistent.save(step, state)
-    self._last_step = step
-    self._events.record(
-      "save",
-      step=step,
-      tiers=self._info[step]["tiers"],
-      bytes=nbytes,
-      stall_s=round(time.monotonic() - t0, 6),
-    )
-    return True
+    return nbytes
 
   def _durable(self, step: int, tier: str, nbytes: int | None, error: str | None = None) -> None:
     t0 = self._save_t0.get(step)
@@ -456,11 +465,11 @@ class CheckpointManager:
           raise e
 
   def prepare(self, abstract_state: Any) -> None:
-    """Starts preparing, in the background, the local file that saves of
-    `abstract_state`'s layout copy into (restore() does this too), so the
-    first save does not allocate and map a fresh file inside save(): seconds
-    on memory the host has never touched. Optional. Called by: any process
-    (this process's ramdisk only). Blocks on nothing."""
+    """Starts preparing, in the background, the host staging buffer that
+    saves of `abstract_state`'s layout copy into (restore() does this too),
+    so the first save does not fault in fresh memory, page by page, inside
+    save(). Optional. Called by: any process (this process only). Blocks on
+    nothing."""
     self._check_open()
     paths, abstract, _ = shards_lib.leaf_paths(abstract_state)
     self._local.prepare(paths, abstract)
@@ -496,7 +505,7 @@ class CheckpointManager:
       if not pending:
         break
       concurrent.futures.wait(pending)
-    self._local.wait_idle()  # the next file, prepared once the upload let go
+    self._local.wait_idle()
     self._raise_background_errors()
 
   # ---- inventory and agreement ---------------------------------------------
@@ -539,7 +548,7 @@ class CheckpointManager:
     process's local copy, one status exchange per tried step, and then either
     nothing more (every slice intact), one cross-slice transfer (a slice lost
     its copy) or a persistent read (no slice has it). Whatever it finds, it
-    then prepares the next save's local file in the background.
+    then prepares the next save's staging buffer in the background.
     """
     self._check_open()
     t_restore = time.monotonic()
@@ -574,7 +583,22 @@ class CheckpointManager:
         )
         tried.append(f"step {cand.step}: {why}")
         continue
-      state = self._execute(plan, abstract_state, paths, abstract, treedef, local)
+      try:
+        state = self._execute(plan, abstract_state, paths, abstract, treedef, local)
+      except PeerTransferError as e:  # raised on every process alike
+        plan = restore_plan.decide(
+          _without_peer(cand, topo.num_slices), statuses, topo.slice_processes
+        )
+        logger.warning(
+          "%s %s; %s",
+          topo.log_prefix(),
+          e,
+          "reading the step from the persistent tier" if plan else "trying an older step",
+        )
+        if plan is None:
+          tried.append(f"step {cand.step}: {e}")
+          continue
+        state = self._execute(plan, abstract_state, paths, abstract, treedef, local)
       self._last_step = plan.step
       source = plan.sources[topo.slice_index]
       logger.info("%s restored step %d from %s", topo.log_prefix(), plan.step, source)
@@ -582,7 +606,7 @@ class CheckpointManager:
       saved = decode_data_state(data_state)
       if data_state_target is not None and saved is not None:
         data_state_target.set_state(saved)
-      self._local.prepare(paths, abstract)  # the next save's file, while training starts
+      self._local.prepare(paths, abstract)  # the next save's buffer, while training starts
       self._events.record(
         "restore",
         step=plan.step,
@@ -597,7 +621,7 @@ class CheckpointManager:
       f"local {self._local.directory} (per process), persistent"
       f" {self._options.persistent.directory}"
     )
-    self._local.prepare(paths, abstract)  # the first save's file, while the trainer initializes
+    self._local.prepare(paths, abstract)  # the first save's buffer, while the trainer initializes
     detail = restore_plan.describe_absence(invs, topo.slice_processes)
     if tried:
       detail += "; rejected after verification: " + "; ".join(tried)
@@ -674,14 +698,31 @@ class CheckpointManager:
     if plan.peer_source is not None:
       intact = [s for s, src in enumerate(plan.sources) if src == restore_plan.LOCAL]
       intact.sort(key=lambda s: s != plan.peer_source)  # the planned source first
-      arrays = peer.transfer(
-        abstract,
-        local.arrays if plan.sources[topo.slice_index] == restore_plan.LOCAL else None,
-        mesh=self._mesh,
-        replica_axis=topo.replica_axis_name,
-        intact=intact,
-        lost=[s for s, src in enumerate(plan.sources) if src == restore_plan.PEER],
-      )
+      lost = [s for s, src in enumerate(plan.sources) if src == restore_plan.PEER]
+      mine = local if plan.sources[topo.slice_index] == restore_plan.LOCAL else None
+      if self._options.peer_transport == "stream":
+        arrays = peer_stream.transfer(
+          plan.step,
+          abstract,
+          paths,
+          mine,
+          mesh=self._mesh,
+          topology=topo,
+          collectives=self._collectives,
+          intact=intact,
+          lost=lost,
+          host=peer_host(self._options.peer_host) if mine is not None else None,
+          timeout_s=self._options.collective_timeout_s,
+        )
+      else:
+        arrays = peer.transfer(
+          abstract,
+          None if mine is None else mine.arrays,
+          mesh=self._mesh,
+          replica_axis=topo.replica_axis_name,
+          intact=intact,
+          lost=lost,
+        )
       return jax.tree_util.tree_unflatten(treedef, arrays)
     if plan.sources[topo.slice_index] == restore_plan.LOCAL:
       arrays = [shards_lib.assemble(a, by_index) for a, by_index in zip(abstract, local.arrays)]

@@ -33,6 +33,7 @@ def _optional_positive_int(value, name: str) -> None:
 
 
 BEST_MODES = ("min", "max")
+PEER_TRANSPORTS = ("stream", "collective")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -148,6 +149,19 @@ class CheckpointManagerOptions:
   job's leftovers. None derives it from persistent.directory (one run per
   persistent directory); restarts of the same run keep the same id."""
 
+  peer_transport: str = "stream"
+  """How a slice that lost its ramdisk gets a step from a peer slice:
+  "stream" (each receiving process pulls its shards over TCP from processes
+  of intact slices, token-authenticated, CRC32C-checked) or "collective"
+  (an XLA collective permute over the replica axis: gloo's TCP on CPU, the
+  accelerator network elsewhere; no port of ours to open)."""
+
+  peer_host: str | None = None
+  """Address this process listens on, and peer slices connect to, while it
+  serves a "stream" transfer. None: the address of this host's interface
+  that routes to the JAX coordinator (right for one-NIC hosts; name the
+  host's data-network address when it has several)."""
+
   collective_timeout_s: float = 300.0
   """Longest wait for other processes in an exchange (restore agreement,
   latest_step). On timeout the error names the missing processes."""
@@ -207,6 +221,14 @@ class CheckpointManagerOptions:
     _require(
       self.event_log is None or (isinstance(self.event_log, str) and bool(self.event_log)),
       f"event_log must be a file path or None, got {self.event_log!r}.",
+    )
+    _require(
+      self.peer_transport in PEER_TRANSPORTS,
+      f"peer_transport must be one of {list(PEER_TRANSPORTS)}, got {self.peer_transport!r}.",
+    )
+    _require(
+      self.peer_host is None or (isinstance(self.peer_host, str) and bool(self.peer_host.strip())),
+      f"peer_host must be a host name or address, or None, got {self.peer_host!r}.",
     )
     for name in ("collective_timeout_s", "state_commit_timeout_s"):
       value = getattr(self, name)

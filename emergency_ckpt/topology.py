@@ -12,6 +12,7 @@ import dataclasses
 import itertools
 import json
 import logging
+import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -254,3 +255,23 @@ def reached_preemption(step: int) -> bool:
     return bool(multihost_utils.reached_preemption_sync_point(step))
   except RuntimeError:  # the service is disabled (jax_enable_preemption_service=False)
     return False
+
+
+def peer_host(override: str | None) -> str | None:
+  """The address peer slices reach this process at: `override`, else the
+  address of the interface that routes to the JAX coordinator (a UDP
+  "connect" sends nothing), else None. Called by: any process."""
+  if override:
+    return override
+  coordinator = getattr(jax._src.distributed.global_state, "coordinator_address", None)  # noqa: SLF001
+  if not coordinator:
+    return "127.0.0.1"  # a single-process job: nobody else to serve
+  host = coordinator.rsplit(":", 1)[0].strip("[]")
+  try:
+    family, _, _, _, addr = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+      s.connect(addr)
+      return s.getsockname()[0]
+  except OSError as e:
+    logger.warning("cannot find the address that routes to %s (%s); set peer_host", host, e)
+    return None

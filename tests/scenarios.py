@@ -117,6 +117,7 @@ def options(args: dict) -> ec.CheckpointManagerOptions:
     replica_axis=args.get("replica_axis", "replica"),
     run_id=args.get("run_id", "test-run"),
     collective_timeout_s=args.get("collective_timeout_s", 60),
+    peer_transport=args.get("peer_transport", "stream"),
     state_commit_timeout_s=args.get("state_commit_timeout_s", 30),
   )
 
@@ -159,7 +160,7 @@ def restore_variants(args: dict) -> list[dict]:
     slice_index = topology_from_mesh(mesh, "replica").slice_index
     if slice_index in variant.get("wipe_slices", ()):
       _wipe(args)  # this host was replaced: its ramdisk is empty
-    with ec.CheckpointManager(options(args), mesh=mesh) as mngr:
+    with ec.CheckpointManager(options({**args, **variant.get("args", {})}), mesh=mesh) as mngr:
       for target_pid, step in variant.get("delete_json", ()):
         if target_pid == me:
           n = jax.process_count()

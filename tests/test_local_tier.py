@@ -454,8 +454,8 @@ def test_apply_retention(tier, state):
     save(tier, step, state)
   assert tier.apply_retention({20, 40, 99}) == [10, 30]
   assert tier.steps() == [20, 40]
-  left = sorted(n for n in os.listdir(tier.directory) if not n.startswith(".tmp-next-"))
-  assert left == ["step_20", "step_40"]  # no .tmp-delete left (.tmp-next-: the next save's file)
+  left = sorted(n for n in os.listdir(tier.directory) if not n.startswith(".tmp-spare-"))
+  assert left == ["step_20", "step_40"]  # no .tmp-delete left (.tmp-spare-: a retired file)
   assert tier.apply_retention({20, 40}) == []
   assert tier.apply_retention(set()) == [20, 40]
   assert tier.steps() == []
@@ -710,80 +710,170 @@ def test_acquire_blocks_only_on_writes_not_on_readers():
   assert done.wait(5), "acquire blocked on a buffer only a reader holds"
 
 
-def test_saves_copy_into_a_prepared_file(tier, state):
-  """After a save, the next one's shards.bin is preallocated in the
-  background; the next save copies straight into it (no write of the bytes),
-  and close() removes the unused one."""
+def _vma_rss_kib(addr: int) -> int:
+  """Rss (KiB) of this process's mapping that contains address `addr`."""
+  inside = False
+  with open("/proc/self/smaps") as f:
+    for line in f:
+      head = line.split()
+      if len(head) >= 5 and "-" in head[0] and not line.startswith(("Rss", "Size")):
+        lo, hi = (int(x, 16) for x in head[0].split("-"))
+        inside = lo <= addr < hi
+      elif inside and line.startswith("Rss:"):
+        return int(head[1])
+  raise AssertionError(f"no mapping contains {addr:#x}")
+
+
+def _inode(path: str) -> int:
+  return os.stat(path).st_ino
+
+
+def _spares(tier) -> list[str]:
+  return sorted(n for n in os.listdir(tier.directory) if n.startswith(".tmp-spare-"))
+
+
+def _scaled(tree, k: int):
+  """`tree` with every leaf's bits changed (so an overwrite is visible)."""
+
+  def change(x):
+    raw = np.asarray(x).copy()
+    raw.reshape(-1).view(np.uint8)[...] ^= np.uint8(k)
+    return jax.device_put(raw, x.sharding)
+
+  return jax.tree_util.tree_map(change, tree)
+
+
+def test_retention_recycles_a_retired_file_for_the_next_save(tier, state):
+  """A step that retention drops keeps its shards.bin as a spare, and the
+  next save writes into that very file (no fresh tmpfs pages): the new
+  step reads back bit-exactly, its checksums over the overwritten bytes."""
   save(tier, 1, state)
-  tier.wait_idle()
-  prepared = [n for n in os.listdir(tier.directory) if n.startswith(".tmp-next-")]
-  assert len(prepared) == 1
-  paths, leaves, _ = shards_lib.leaf_paths(state)
-  staged = tier.stage(2, paths, leaves)
-  assert staged.target is not None  # the prepared file, renamed as step 2's save in progress
-  assert os.path.basename(staged.target.tmp).startswith(".tmp-step_2-")
-  assert not os.path.exists(os.path.join(tier.directory, prepared[0]))
-  tier.write_async(staged).result()
-  assert tier.steps() == [1, 2]
+  save(tier, 2, state)
+  old = _inode(_shards_path(tier, 1))
+  assert tier.apply_retention({2}) == [1]
+  (spare,) = _spares(tier)
+  assert _inode(os.path.join(tier.directory, spare, "shards.bin")) == old
+  assert os.listdir(os.path.join(tier.directory, spare)) == ["shards.bin"]
+  other = _scaled(state, 0x5A)
+  save(tier, 3, other)
+  assert _inode(_shards_path(tier, 3)) == old
+  assert _spares(tier) == []
+  assert same_bits(restore(tier, 3, abstract_of(state)), other)
   assert same_bits(restore(tier, 2, abstract_of(state)), state)
+
+
+def test_a_file_this_process_restored_from_is_never_recycled(tier, state):
+  """Restored arrays alias the step's file through a private mapping, which
+  would see an overwrite: once read() mapped a file, retiring its step
+  unlinks it, and later saves never change the restored values."""
+  save(tier, 1, state)
+  got = restore(tier, 1, abstract_of(state))
+  save(tier, 2, state)
+  assert tier.apply_retention({2}) == [1]
+  assert _spares(tier) == []
+  save(tier, 3, _scaled(state, 0x33))
+  assert same_bits(got, state)
+
+
+def test_spares_are_bounded_and_removed_on_close(shm_dir, topo, state):
+  """At most `staging_buffers` spares are kept; the rest are unlinked, and
+  close() removes what is left."""
+  t = make_tier(shm_dir + "/x", topo)
+  for step in (1, 2, 3):
+    save(t, step, state)
+  assert t.apply_retention({3}) == [1, 2]
+  assert len(_spares(t)) == 1
+  assert not [n for n in os.listdir(t.directory) if n.startswith(".tmp-delete-")]
+  t.close()
+  assert not [n for n in os.listdir(t.directory) if n.startswith(".tmp-")]
+
+
+def test_a_spare_of_another_size_is_dropped(tier, state, mesh):
+  """A layout change makes the spare useless: the save writes a new file and
+  the old spare is gone."""
+  save(tier, 1, state)
+  save(tier, 2, state)
+  tier.apply_retention({2})
+  (spare,) = _spares(tier)
+  small = {"x": jax.device_put(np.arange(6, dtype=np.int32), NamedSharding(mesh, P("data")))}
+  save(tier, 3, small)
+  assert not os.path.exists(os.path.join(tier.directory, spare))
+  assert same_bits(restore(tier, 3, abstract_of(small)), small)
+
+
+def test_an_explicit_delete_frees_the_file(tier, state):
+  """delete() (the user's, not retention's) gives the ramdisk space back."""
+  save(tier, 1, state)
+  tier.delete(1)
+  assert os.listdir(tier.directory) == []
+
+
+def test_prepare_preallocates_the_staging_buffer_faulted_in(tier, mesh):
+  """prepare() allocates the staging buffer of the layout in the background
+  with every page resident, and the next save copies into that buffer (no
+  page fault inside the stall)."""
+  value = np.arange(4 << 20, dtype=np.uint32)  # 16 MiB
+  big = {"x": jax.device_put(value, NamedSharding(mesh, P("data")))}
+  paths, leaves, _ = shards_lib.leaf_paths(big)
+  tier.prepare(paths, leaves)
   tier.wait_idle()
-  tier.close()
-  assert not [n for n in os.listdir(tier.directory) if n.startswith(".tmp-")]
+  (prepared,) = tier._pool._free
+  assert prepared.nbytes == value.nbytes
+  assert _vma_rss_kib(prepared.ctypes.data) >= value.nbytes // 1024
+  staged = tier.stage(1, paths, leaves)
+  assert staged.buffer is prepared
+  tier.write_async(staged).result()
+  assert same_bits(restore(tier, 1, abstract_of(big)), big)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
-def test_the_next_file_is_prepared_at_the_lowest_cpu_priority(tier, state):
-  """Preparing (fallocate + populating page tables) only serves a later
-  save: it runs niced, so it does not compete with the trainer (or the tail
-  of a restore) for CPU. The trainer's own thread keeps its priority."""
+def test_the_staging_buffer_is_prepared_at_the_lowest_cpu_priority(tier, state, monkeypatch):
+  """Preparing only serves a later save: it runs niced, so it does not
+  compete with the trainer (or the tail of a restore) for CPU. The trainer's
+  own thread keeps its priority."""
   before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
   nice = {}
-  real = local_tier_lib._Target.create
+  real = local_tier_lib._fault_in
 
-  def create(*args, **kwargs):  # runs on the preparing thread
+  def fault_in(buf):  # runs on the preparing thread
     nice[threading.current_thread().name] = os.getpriority(
       os.PRIO_PROCESS, threading.get_native_id()
     )
-    return real(*args, **kwargs)
+    real(buf)
 
-  local_tier_lib._Target.create = create
-  try:
-    paths, leaves, _ = shards_lib.leaf_paths(state)
-    tier.prepare(paths, leaves)
-    tier.wait_idle()
-  finally:
-    local_tier_lib._Target.create = real
-  assert [n for n in os.listdir(tier.directory) if n.startswith(".tmp-next-")]
+  monkeypatch.setattr(local_tier_lib, "_fault_in", fault_in)
+  paths, leaves, _ = shards_lib.leaf_paths(state)
+  tier.prepare(paths, leaves)
+  tier.wait_idle()
   ((name, value),) = nice.items()
   assert name.startswith("ec-local-prepare"), name
   assert value == local_tier_lib.BACKGROUND_NICE
   assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
 
 
-def test_a_layout_change_discards_the_prepared_file(tier, state, mesh):
-  save(tier, 1, state)
-  tier.wait_idle()
-  small = {"x": jax.device_put(np.arange(6, dtype=np.int32), NamedSharding(mesh, P("data")))}
-  save(tier, 2, small)
-  tier.wait_idle()
-  assert len([n for n in os.listdir(tier.directory) if n.startswith(".tmp-next-")]) == 1
-  assert same_bits(restore(tier, 2, abstract_of(small)), small)
+def test_a_failed_write_lists_nothing_and_frees_its_buffer(tier, state, monkeypatch):
+  """An OS error while writing (ENOSPC here) fails that save only: no step
+  is listed, no .tmp folder stays, and the staging buffer serves the next
+  save, which succeeds."""
+  real = os.pwrite
+  calls = []
 
+  def full(fd, data, offset):
+    calls.append(offset)
+    if len(calls) == 2:
+      raise OSError(28, "No space left on device")
+    return real(fd, data, offset)
 
-def test_without_room_for_a_file_the_save_stages_in_memory(tier, state, monkeypatch):
-  """A ramdisk that cannot preallocate (ENOSPC) falls back to a host buffer
-  and the plain write path, which then reports the failure as before."""
-
-  def full(*a, **k):
-    raise OSError(28, "No space left on device")
-
-  monkeypatch.setattr(os, "posix_fallocate", full)
+  monkeypatch.setattr(os, "pwrite", full)
   paths, leaves, _ = shards_lib.leaf_paths(state)
   staged = tier.stage(1, paths, leaves)
-  assert staged.target is None
   result = tier.write_async(staged).result()
-  assert result.ok  # writing (not preallocating) still had room here
-  assert same_bits(restore(tier, 1, abstract_of(state)), state)
+  assert not result.ok and "No space left" in result.error
+  assert os.listdir(tier.directory) == []
+  staged2 = tier.stage(2, paths, leaves)
+  assert staged2.buffer is staged.buffer
+  assert tier.write_async(staged2).result().ok
+  assert same_bits(restore(tier, 2, abstract_of(state)), state)
 
 
 def test_retention_never_deletes_a_step_written_after_its_listing(tier, state):
@@ -798,66 +888,21 @@ def test_retention_never_deletes_a_step_written_after_its_listing(tier, state):
   assert tier.steps() == [2]
 
 
-def test_next_file_is_prepared_only_after_the_upload_lets_go(tier, state):
-  """A background reader (the persistent upload) of a step's mapped file
-  delays preparing the next one, so two steps' pages are never mapped at once."""
+def test_an_upload_holding_the_buffer_keeps_it_from_the_next_save(tier, state):
+  """A background reader (the persistent upload) of a staged buffer keeps it
+  unchanged until it lets go, even when the next save comes first; then the
+  buffer serves saves again."""
   paths, leaves, _ = shards_lib.leaf_paths(state)
   staged = tier.stage(1, paths, leaves)
+  snapshot = bytes(staged.buffer)
   release = tier.hold(staged)
   tier.write_async(staged).result()
-  tier.wait_idle()
-  assert not [n for n in os.listdir(tier.directory) if n.startswith(".tmp-next-")]
+  _, other, _ = shards_lib.leaf_paths(_scaled(state, 0x77))
+  staged2 = tier.stage(2, paths, other)
+  assert staged2.buffer is not staged.buffer
+  assert bytes(staged.buffer) == snapshot
+  tier.write_async(staged2).result()
   release()
-  tier.wait_idle()
-  assert len([n for n in os.listdir(tier.directory) if n.startswith(".tmp-next-")]) == 1
-
-
-def _resident_kib(path: str) -> int | None:
-  """Rss (KiB) of this process's mappings of `path` (None if not mapped)."""
-  total, found, inside = 0, False, False
-  with open("/proc/self/smaps") as f:
-    for line in f:
-      head = line.split()
-      if len(head) >= 5 and "-" in head[0] and not line.startswith(("Rss", "Size")):
-        inside = line.rstrip("\n").endswith(path)
-        found = found or inside
-      elif inside and line.startswith("Rss:"):
-        total += int(head[1])
-  return total if found else None
-
-
-def test_the_prepared_file_is_mapped_resident_before_the_save(tier, mesh):
-  """Every page of the prepared file is in this process's page tables before
-  the save copies into it (the copy must take no page fault), whichever of
-  MADV_POPULATE_WRITE or MAP_POPULATE did it."""
-  value = np.arange(4 << 20, dtype=np.uint32)  # 16 MiB
-  big = {"x": jax.device_put(value, NamedSharding(mesh, P("data")))}
-  paths, leaves, _ = shards_lib.leaf_paths(big)
-  tier.prepare(paths, leaves)
-  tier.wait_idle()
-  (name,) = [n for n in os.listdir(tier.directory) if n.startswith(".tmp-next-")]
-  shards_bin = os.path.join(tier.directory, name, "shards.bin")
-  assert _resident_kib(shards_bin) == os.path.getsize(shards_bin) // 1024
-
-
-def test_a_lingering_view_keeps_no_pages_of_a_written_step_resident(tier, mesh):
-  """Once a step is written and no reader holds it, its mapping's pages
-  leave the process (RSS) even if a view outlives it (tensorstore keeps an
-  upload's source arrays until its cache lets go): the next prepared file
-  and the old step are never both resident. The bytes stay in the file and
-  read back through the lingering view unchanged."""
-  value = np.arange(4 << 20, dtype=np.uint32)  # 16 MiB
-  big = {"x": jax.device_put(value, NamedSharding(mesh, P("data")))}
-  paths, leaves, _ = shards_lib.leaf_paths(big)
-  staged = tier.stage(1, paths, leaves)
-  view = staged.buffer  # outlives the write and every reader
-  release = tier.hold(staged)
-  tier.write_async(staged).result()
-  shards = _shards_path(tier, 1)
-  assert _resident_kib(shards) >= 15 << 10  # an upload still reads it: resident
-  release()
-  tier.wait_idle()
-  assert _resident_kib(shards) < 1 << 10, "the written step's pages stayed resident"
-  assert view[: value.nbytes // 2].view(np.uint32).tolist()[:4] == [0, 1, 2, 3]
-  with open(shards, "rb") as f:
-    assert f.read() == bytes(view)
+  staged3 = tier.stage(3, paths, leaves)
+  assert staged3.buffer is staged.buffer or staged3.buffer is staged2.buffer
+  tier.write_async(staged3).result()

@@ -114,10 +114,10 @@ def test_persistent_copy_is_the_state_at_save_time(options, mesh):
 
 
 @pytest.mark.parametrize("how", ["restore", "prepare"])
-def test_restore_prepares_the_first_saves_file(options, mesh, how):
-  """restore() (here: nothing to restore) or prepare() prepares the local
-  file of the state's layout in the background; the first save copies into
-  it instead of allocating and mapping a fresh file inside save()."""
+def test_restore_prepares_the_first_saves_staging_buffer(options, mesh, how):
+  """restore() (here: nothing to restore) or prepare() allocates the host
+  staging buffer of the state's layout in the background; the first save
+  copies into it instead of faulting in fresh memory inside save()."""
   with ec.CheckpointManager(options, mesh=mesh) as mngr:
     if how == "restore":
       with pytest.raises(ec.NoRestorableCheckpointError):
@@ -125,12 +125,47 @@ def test_restore_prepares_the_first_saves_file(options, mesh, how):
     else:
       mngr.prepare(_abstract(mesh))
     mngr.wait_until_finished()  # includes background preparation
-    prepared = [n for n in os.listdir(mngr.local_directory) if n.startswith(".tmp-next-")]
-    assert len(prepared) == 1
-    shards = os.path.join(mngr.local_directory, prepared[0], "shards.bin")
-    assert os.path.getsize(shards) >= 4 * 2 * 4  # the (4, 2) float32 leaf (slots aligned)
-    inode = os.stat(shards).st_ino
+    pool = mngr._local._pool
+    (prepared,) = pool._free
+    assert prepared.nbytes >= 4 * 2 * 4  # the (4, 2) float32 leaf (slots aligned)
     assert mngr.save(2, _state(mesh, 2.0)) is True
     mngr.wait_until_finished()
-    assert prepared[0] not in os.listdir(mngr.local_directory)  # taken by the save
-    assert os.stat(os.path.join(mngr.local_directory, "step_2", "shards.bin")).st_ino == inode
+    assert len(pool._free) == 1 and pool._free[0] is prepared  # taken by the save, given back
+    assert mngr.latest_step() == 2
+
+
+def test_background_work_waits_for_a_colocated_save(options, mesh):
+  """While another process of this run on this machine is inside save(),
+  this process's save() returns at once, but its ramdisk write and its
+  persistent upload start only when that save ends (colocated.py)."""
+  import threading  # noqa: PLC0415
+  import time  # noqa: PLC0415
+
+  from emergency_ckpt.colocated import StagingWindow  # noqa: PLC0415
+
+  other = StagingWindow(options.effective_run_id)
+  assert other.enabled
+  inside, leave = threading.Event(), threading.Event()
+
+  def colocated_save():
+    with other.staging():
+      inside.set()
+      leave.wait(10)
+
+  t = threading.Thread(target=colocated_save, daemon=True)
+  t.start()
+  assert inside.wait(5)
+  with ec.CheckpointManager(options, mesh=mesh) as mngr:
+    t0 = time.monotonic()
+    assert mngr.save(4, _state(mesh, 4.0)) is True  # both tiers
+    assert time.monotonic() - t0 < 0.5
+    time.sleep(0.4)
+    local_step = os.path.join(mngr.local_directory, "step_4")
+    persistent_step = os.path.join(options.persistent.directory, "tensors", "4")
+    assert not os.path.exists(local_step) and not os.path.exists(persistent_step)
+    leave.set()
+    mngr.wait_until_finished()
+    assert os.path.isdir(local_step) and os.path.isdir(persistent_step)
+    assert mngr.all_steps() == [4]
+  t.join(5)
+  other.close()

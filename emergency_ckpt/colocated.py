@@ -1,0 +1,134 @@
+"""A staging window shared by this job's processes on one machine.
+
+Processes on one machine (8 per GPU host, or simulated hosts on one CPU box)
+share its cores and memory bandwidth. When they save at the same step, the
+first to finish its staging copy would start its background work (the
+ramdisk write with its checksums, the persistent upload) while the others
+still copy, and slow their copies down: the job's save() stall is its
+slowest process's. Measured here (4 processes, 2 cores, 256 MiB each): stall
+1.68x a memcpy with background work starting at once, 1.13x with it held
+back until every copy was done.
+
+So a process holds a shared flock on a per-run lock file while it is inside
+save(), and background work first waits (briefly, capped) until no process
+holds it. No network, no collective: a flock on a file of the machine's
+/dev/shm (or its temp directory), in a per-user 0700 folder
+(emergency_ckpt-<uid>/<run_id>.staging; the empty files stay, as lock files
+must). save() never blocks here: it takes the shared lock without waiting
+and goes on without it if it cannot. A folder or file that is not this
+user's own is never used (coordination is off, with a debug log): another
+user cannot make a save wait.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import stat
+import tempfile
+import time
+
+logger = logging.getLogger("emergency_ckpt")
+
+_POLL_S = 0.001
+_SHARED_TRIES = 5  # LOCK_SH fails only while a waiter holds LOCK_EX for an instant
+
+
+def lock_dir() -> str:
+  """Where the machine's lock files live: /dev/shm if present, else the temp dir."""
+  return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+def _own_private_dir(folder: str) -> bool:
+  """Creates `folder` 0700 if missing; True if it is this user's private directory."""
+  try:
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    st = os.lstat(folder)
+  except OSError as e:
+    logger.debug("staging window off: cannot create %s: %s", folder, e)
+    return False
+  ok = stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077
+  if not ok:
+    logger.debug("staging window off: %s is not this user's private directory", folder)
+  return ok
+
+
+def _open_own(path: str) -> int | None:
+  """`path` opened read-write (created 0600 if missing), or None if it is a
+  link, not a regular file, or owned by another user."""
+  try:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+  except OSError as e:
+    logger.debug("staging window off: cannot open %s: %s", path, e)
+    return None
+  st = os.fstat(fd)
+  if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+    os.close(fd)
+    logger.debug("staging window off: %s is not this user's regular file", path)
+    return None
+  return fd
+
+
+class StagingWindow:
+  """This process's view of the machine-wide staging window of one run.
+
+  `staging()` is called by the thread that copies (save()); `wait_closed()`
+  by background threads before memory-heavy work. Per process, no collective.
+  """
+
+  def __init__(self, run_id: str, *, directory: str | None = None):
+    folder = os.path.join(directory or lock_dir(), f"emergency_ckpt-{os.geteuid()}")
+    self.path = os.path.join(folder, f"{run_id}.staging")
+    self._holder = self._waiter = None
+    if _own_private_dir(folder):
+      self._holder = _open_own(self.path)  # shared while staging
+      self._waiter = _open_own(self.path) if self._holder is not None else None
+
+  @property
+  def enabled(self) -> bool:
+    return self._holder is not None and self._waiter is not None
+
+  @contextlib.contextmanager
+  def staging(self):
+    """Holds the window open (shared) while the caller copies. Never waits
+    more than a few milliseconds: if the lock is not had, the copy runs anyway."""
+    held = False
+    if self.enabled:
+      for _ in range(_SHARED_TRIES):
+        try:
+          fcntl.flock(self._holder, fcntl.LOCK_SH | fcntl.LOCK_NB)
+          held = True
+          break
+        except BlockingIOError:
+          time.sleep(_POLL_S)
+    try:
+      yield
+    finally:
+      if held:
+        fcntl.flock(self._holder, fcntl.LOCK_UN)
+
+  def wait_closed(self, timeout_s: float) -> float:
+    """Blocks until no process of this run on this machine is staging, or
+    `timeout_s` passed; returns the seconds waited."""
+    if not self.enabled:
+      return 0.0
+    t0 = time.monotonic()
+    deadline = t0 + timeout_s
+    while True:
+      try:
+        fcntl.flock(self._waiter, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(self._waiter, fcntl.LOCK_UN)
+        break
+      except BlockingIOError:
+        if time.monotonic() >= deadline:
+          break
+        time.sleep(_POLL_S)
+    return time.monotonic() - t0
+
+  def close(self) -> None:
+    for fd in (self._holder, self._waiter):
+      if fd is not None:
+        os.close(fd)
+    self._holder = self._waiter = None

@@ -1,0 +1,350 @@
+"""Moving a step to slices that lost it: direct TCP streams between hosts.
+
+Each process of a slice that lost the step pulls every shard it needs from a
+process of an intact slice. The state is replicated over the replica axis, so
+the device at the same mesh coordinates in another slice holds the same
+shard: a receiver finds its senders from the mesh alone (no global device
+map), spreading shards round-robin over the intact slices. Bytes go from the
+sender's verified local file (the pages its own restore mapped) into one
+page-aligned buffer of the receiver, laid out like the local tier's file, and
+the restored arrays alias it on CPU (one copy on each side, in the kernel).
+Each shard is checked against the CRC32C of the sender's manifest on arrival.
+
+Measured against the XLA collective permute (peer.py, gloo's TCP on CPU):
+see the README's benchmark. peer.py stays available (peer_transport =
+"collective") for networks where hosts cannot open ports to each other.
+
+Security: every process of an intact slice listens during the transfer only,
+on one address (the interface that routes to the JAX coordinator, or
+CheckpointManagerOptions.peer_host), and serves only a client that presents
+the 256-bit token it published for this transfer through the JAX
+coordination service (the job's own channel). Nothing here unpickles or runs
+anything it receives: requests are JSON, replies are raw bytes.
+
+Agreement: after the bytes, one exchange tells every process whether every
+receiver got everything; if not, every process raises PeerTransferError, so
+all fall back together (the manager then reads the persistent tier, or tries
+an older step).
+
+Called by: every process (two exchanges); blocks until every receiver has
+its shards, or one failed.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hmac
+import json
+import logging
+import secrets
+import socket
+import struct
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from emergency_ckpt import failpoints
+from emergency_ckpt import shards as shards_lib
+from emergency_ckpt.errors import CorruptCheckpointError, PeerTransferError
+from emergency_ckpt.local_tier import LocalStep, aligned_empty, checksum_ok
+
+logger = logging.getLogger("emergency_ckpt")
+
+MAGIC = b"ECPEER1\n"
+TOKEN_BYTES = 32
+_MAX_HEADER = 64 << 20  # a request or reply header (JSON) larger than this is refused
+_LEN = struct.Struct("!I")
+
+
+def plan_pulls(
+  layout: shards_lib.Layout,
+  mesh_devices: np.ndarray,
+  replica_axis_index: int,
+  intact: Sequence[int],
+  rank: int,
+) -> dict[int, list[tuple[int, shards_lib.ShardSlot]]]:
+  """{sender process: [(leaf number, slot)]} for a receiver whose shards are
+  `layout`: each shard from the process holding the same mesh coordinates in
+  an intact slice, round-robin over `intact` (offset by the receiver's
+  `rank` among receivers, so several receivers spread over the senders).
+  Pure: devices need only `.id` and `.process_index`."""
+  if not intact:
+    raise PeerTransferError("a peer transfer needs at least one intact slice")
+  coords = {d.id: idx for idx, d in np.ndenumerate(mesh_devices)}
+  out: dict[int, list[tuple[int, shards_lib.ShardSlot]]] = {}
+  k = rank
+  for leaf_no, leaf in enumerate(layout.leaves):
+    for slot in leaf.slots:
+      if not slot.nbytes:
+        continue
+      source = list(coords[slot.devices[0].id])
+      source[replica_axis_index] = intact[k % len(intact)]
+      k += 1
+      sender = int(mesh_devices[tuple(source)].process_index)
+      out.setdefault(sender, []).append((leaf_no, slot))
+  return out
+
+
+def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+  got = 0
+  while got < len(view):
+    n = sock.recv_into(view[got:])
+    if not n:
+      raise ConnectionError(f"connection closed after {got} of {len(view)} bytes")
+    got += n
+
+
+def _recv_bytes(sock: socket.socket, n: int) -> bytes:
+  buf = bytearray(n)
+  _recv_exact(sock, memoryview(buf))
+  return bytes(buf)
+
+
+def _send_json(sock: socket.socket, doc: Any) -> None:
+  raw = json.dumps(doc).encode()
+  sock.sendall(_LEN.pack(len(raw)) + raw)
+
+
+def _recv_json(sock: socket.socket) -> Any:
+  (n,) = _LEN.unpack(_recv_bytes(sock, _LEN.size))
+  if n > _MAX_HEADER:
+    raise ConnectionError(f"header of {n} bytes exceeds {_MAX_HEADER}")
+  return json.loads(_recv_bytes(sock, n))
+
+
+def _index_key(index) -> tuple[tuple[int, int], ...]:
+  return tuple((int(a), int(b)) for a, b in index)
+
+
+class Server:
+  """Serves this process's verified shards of one step to receivers that
+  present its token, until close(). Per process; no collective."""
+
+  def __init__(
+    self, host: str, local: LocalStep, paths: Sequence[str], *, timeout_s: float, log_prefix: str
+  ):
+    self._timeout_s = timeout_s
+    self._prefix = log_prefix
+    self._step = local.step
+    self._token = secrets.token_bytes(TOKEN_BYTES)
+    records = {
+      (leaf["path"], _index_key(s["index"])): s
+      for leaf in local.manifest["leaves"]
+      for s in leaf["shards"]
+    }
+    self._shards: dict[tuple[int, tuple], tuple[np.ndarray, dict]] = {}
+    for leaf_no, (path, by_index) in enumerate(zip(paths, local.arrays)):
+      for index, arr in by_index.items():
+        raw = arr.reshape(-1).view(np.uint8)
+        self._shards[(leaf_no, index)] = (raw, records[(path, index)])
+    self._paths = list(paths)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    self._sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+      self._sock.bind((host, 0))
+      self._sock.listen(64)
+      self._sock.settimeout(0.05)
+    except BaseException:
+      self._sock.close()
+      raise
+    self.host = host
+    self.port = self._sock.getsockname()[1]
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._accept, name="ec-peer-serve", daemon=True)
+    self._thread.start()
+
+  def offer(self) -> dict:
+    """What receivers need to connect (published through the coordination service)."""
+    return {"host": self.host, "port": self.port, "token": self._token.hex()}
+
+  def _accept(self) -> None:
+    while not self._stop.is_set():
+      try:
+        conn, _ = self._sock.accept()
+      except TimeoutError:
+        continue
+      except OSError:
+        return  # closed
+      threading.Thread(target=self._serve, args=(conn,), name="ec-peer-send", daemon=True).start()
+
+  def _serve(self, conn: socket.socket) -> None:
+    with conn:
+      conn.settimeout(self._timeout_s)
+      try:
+        hello = _recv_bytes(conn, len(MAGIC) + TOKEN_BYTES)
+        if hello[: len(MAGIC)] != MAGIC or not hmac.compare_digest(
+          hello[len(MAGIC) :], self._token
+        ):
+          logger.warning("%s peer transfer: refused a connection without the token", self._prefix)
+          return
+        if failpoints.armed("peer.refuse", self._step):
+          return  # a test: the sender drops the connection
+        request = _recv_json(conn)
+        reply, views = self._answer(request)
+        _send_json(conn, reply)
+        corrupt = failpoints.armed("peer.corrupt_send", self._step)
+        for raw in views:
+          if corrupt:  # a test: one flipped bit on the wire
+            raw = raw.copy()
+            raw[len(raw) // 2] ^= 1
+            corrupt = False
+          conn.sendall(memoryview(raw))
+      except (OSError, ValueError) as e:
+        logger.warning("%s peer transfer: a send failed: %s", self._prefix, e)
+
+  def _answer(self, request: Any) -> tuple[dict, list[np.ndarray]]:
+    if not isinstance(request, dict) or request.get("step") != self._step:
+      return {"error": f"this process serves step {self._step}, not {request.get('step')!r}"}, []
+    records, views = [], []
+    for leaf_no, path, index in request.get("shards", []):
+      got = self._shards.get((leaf_no, _index_key(index)))
+      if got is None or self._paths[leaf_no] != path:
+        return {"error": f"no shard {index} of leaf {path} here"}, []
+      raw, record = got
+      records.append({k: v for k, v in record.items() if k in ("nbytes", "crc32c", "crc32")})
+      views.append(raw)
+    return {"shards": records}, views
+
+  def close(self) -> None:
+    self._stop.set()
+    self._sock.close()
+    self._thread.join()
+
+
+def pull(
+  offer: dict,
+  sender: int,
+  step: int,
+  items: Sequence[tuple[int, shards_lib.ShardSlot]],
+  paths: Sequence[str],
+  buffer: np.ndarray,
+  *,
+  timeout_s: float,
+) -> None:
+  """Receives `items` (leaf number, slot) of `step` from `sender` into their
+  slots of `buffer`, each verified against the sender's checksum. Raises
+  PeerTransferError, CorruptCheckpointError or OSError."""
+  if "error" in offer:
+    raise PeerTransferError(f"process {sender} cannot serve: {offer['error']}")
+  with socket.create_connection((offer["host"], offer["port"]), timeout=timeout_s) as sock:
+    sock.sendall(MAGIC + bytes.fromhex(offer["token"]))
+    shards = [[leaf_no, paths[leaf_no], [list(r) for r in slot.index]] for leaf_no, slot in items]
+    _send_json(sock, {"step": step, "shards": shards})
+    reply = _recv_json(sock)
+    if "error" in reply:
+      raise PeerTransferError(f"process {sender} refused: {reply['error']}")
+    records = reply.get("shards", [])
+    if len(records) != len(items):
+      raise PeerTransferError(f"process {sender} answered {len(records)} of {len(items)} shards")
+    for (leaf_no, slot), record in zip(items, records):
+      where = f"leaf {paths[leaf_no]} shard {slot.index} of step {step} from process {sender}"
+      if record.get("nbytes") != slot.nbytes:
+        raise CorruptCheckpointError(
+          f"{where}: {record.get('nbytes')} bytes, expected {slot.nbytes}"
+        )
+      view = buffer[slot.offset : slot.offset + slot.nbytes]
+      _recv_exact(sock, memoryview(view))
+      if not checksum_ok(view, record):
+        raise CorruptCheckpointError(f"{where} fails its checksum on arrival")
+
+
+def receive(
+  offers: dict[int, dict | None],
+  layout: shards_lib.Layout,
+  paths: Sequence[str],
+  *,
+  step: int,
+  mesh_devices: np.ndarray,
+  replica_axis_index: int,
+  intact: Sequence[int],
+  rank: int,
+  timeout_s: float,
+) -> np.ndarray:
+  """This receiver's shards of `step`, pulled from every sender at once into
+  one page-aligned buffer laid out as `layout`."""
+  buffer = aligned_empty(layout.nbytes)
+  pulls = plan_pulls(layout, mesh_devices, replica_axis_index, intact, rank)
+  if not pulls:
+    return buffer
+  pool = concurrent.futures.ThreadPoolExecutor(len(pulls), "ec-peer-recv")
+  try:
+    futures = []
+    for sender, items in pulls.items():
+      offer = offers.get(sender) or {"error": "it published no address (not an intact slice?)"}
+      futures.append(
+        pool.submit(pull, offer, sender, step, items, paths, buffer, timeout_s=timeout_s)
+      )
+    for f in concurrent.futures.as_completed(futures):
+      f.result()  # the first failure ends the transfer
+  finally:
+    pool.shutdown(wait=False, cancel_futures=True)  # never wait on a failed transfer's stragglers
+  return buffer
+
+
+def transfer(
+  step: int,
+  abstract: Sequence[Any],
+  paths: Sequence[str],
+  local: LocalStep | None,
+  *,
+  mesh,
+  topology,
+  collectives,
+  intact: Sequence[int],
+  lost: Sequence[int],
+  host: str | None,
+  timeout_s: float,
+) -> list:
+  """Returns the step's arrays on every process: processes of intact slices
+  keep `local` (their verified shards) and serve them; processes of `lost`
+  slices pull theirs. Raises PeerTransferError on every process if any
+  receiver failed. Called by: every process."""
+  me = topology.process_index
+  server, offer = None, None
+  if topology.slice_index in intact:
+    try:
+      if host is None:
+        raise OSError("no address: set peer_host (see CheckpointManagerOptions)")
+      server = Server(host, local, paths, timeout_s=timeout_s, log_prefix=topology.log_prefix())
+      offer = server.offer()
+    except OSError as e:
+      offer = {"error": f"cannot listen on {host!r}: {e}"}
+  arrays, error = None, None
+  try:
+    offers = collectives.exchange(f"peer_offer_{step}", offer)
+    if topology.slice_index in lost:
+      receivers = sorted(p for s in lost for p in topology.slice_processes[s])
+      layout = shards_lib.layout_for(paths, abstract)
+      try:
+        buffer = receive(
+          offers,
+          layout,
+          paths,
+          step=step,
+          mesh_devices=np.asarray(mesh.devices),
+          replica_axis_index=topology.replica_axis_index,
+          intact=list(intact),
+          rank=receivers.index(me),
+          timeout_s=timeout_s,
+        )
+        arrays = [
+          shards_lib.assemble(a, {s.index: shards_lib.view(buffer, leaf, s) for s in leaf.slots})
+          for a, leaf in zip(abstract, layout.leaves)
+        ]
+      except (OSError, PeerTransferError) as e:  # CorruptCheckpointError is an OSError
+        error = f"process {me} ({type(e).__name__}): {e}"
+        logger.warning("%s peer transfer of step %d failed: %s", topology.log_prefix(), step, e)
+    outcome = collectives.exchange(f"peer_done_{step}", error)
+  finally:
+    if server is not None:
+      server.close()
+  failed = [e for _, e in sorted(outcome.items()) if e]
+  if failed:
+    raise PeerTransferError(
+      f"the transfer of step {step} to slices {list(lost)} failed: " + "; ".join(failed)
+    )
+  if arrays is None:  # an intact slice keeps its own verified shards
+    arrays = [shards_lib.assemble(a, by_index) for a, by_index in zip(abstract, local.arrays)]
+  return arrays

@@ -1,0 +1,179 @@
+"""peer_stream: the pull plan (pure) and the wire protocol (real sockets, one process)."""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+
+import numpy as np
+import pytest
+
+from emergency_ckpt import peer_stream
+from emergency_ckpt import shards as shards_lib
+from emergency_ckpt.errors import CorruptCheckpointError, PeerTransferError
+from emergency_ckpt.local_tier import LocalStep, shard_checksum
+
+
+@dataclasses.dataclass(frozen=True)
+class Dev:
+  id: int
+  process_index: int
+
+
+def _mesh(slices: int, per_slice: int, devices_per_process: int) -> np.ndarray:
+  """(replica, data) devices; process = device id // devices_per_process."""
+  ids = np.arange(slices * per_slice).reshape(slices, per_slice)
+  return np.vectorize(lambda i: Dev(int(i), int(i) // devices_per_process), otypes=[object])(ids)
+
+
+def _layout(mesh: np.ndarray, slice_: int, leaves: int, nbytes: int = 64) -> shards_lib.Layout:
+  """One slot per device of `slice_` (each device holds its own shard)."""
+  out, offset = [], 0
+  for leaf in range(leaves):
+    slots = []
+    for j, dev in enumerate(mesh[slice_]):
+      slots.append(shards_lib.ShardSlot(((j, j + 1),), offset, nbytes, (dev,)))
+      offset += nbytes
+    out.append(
+      shards_lib.LeafLayout(f"['l{leaf}']", (len(mesh[slice_]),), np.dtype(np.uint8), tuple(slots))
+    )
+  return shards_lib.Layout(tuple(out), offset)
+
+
+def test_plan_pulls_from_the_process_at_the_same_coordinates():
+  mesh = _mesh(2, 4, 2)  # 2 slices x 2 processes x 2 devices
+  plan = peer_stream.plan_pulls(_layout(mesh, 1, 3), mesh, 0, [0], rank=0)
+  # process 2 (slice 1, devices 4-5) mirrors process 0 (devices 0-1), process 3 mirrors 1
+  assert sorted(plan) == [0, 1]
+  assert {slot.devices[0].process_index for _, slot in plan[0]} == {2}
+  assert all(slot.devices[0].id in (4, 5) for _, slot in plan[0])
+  assert len(plan[0]) == len(plan[1]) == 6
+
+
+def test_plan_pulls_spreads_over_intact_slices():
+  mesh = _mesh(4, 2, 2)  # 4 slices of one process with 2 devices
+  plan = peer_stream.plan_pulls(_layout(mesh, 3, 4), mesh, 0, [0, 1, 2], rank=0)
+  counts = {sender: len(items) for sender, items in plan.items()}
+  assert counts == {0: 3, 1: 3, 2: 2}  # 8 shards over 3 senders
+  every = sorted((leaf, slot.index) for items in plan.values() for leaf, slot in items)
+  assert len(every) == 8 and len(set(every)) == 8
+
+
+def test_plan_pulls_rank_rotates_the_first_sender():
+  mesh = _mesh(4, 2, 2)
+  a = peer_stream.plan_pulls(_layout(mesh, 2, 1), mesh, 0, [0, 1], rank=0)
+  b = peer_stream.plan_pulls(_layout(mesh, 3, 1), mesh, 0, [0, 1], rank=1)
+  first = lambda plan: min(plan, key=lambda s: min(slot.offset for _, slot in plan[s]))  # noqa: E731
+  assert first(a) != first(b)
+
+
+def test_plan_pulls_needs_an_intact_slice():
+  mesh = _mesh(2, 2, 2)
+  with pytest.raises(PeerTransferError):
+    peer_stream.plan_pulls(_layout(mesh, 1, 1), mesh, 0, [], rank=0)
+
+
+# ---- the wire protocol ---------------------------------------------------------------
+
+
+def _local(step: int = 7) -> tuple[LocalStep, list[str], list[dict]]:
+  """A sender's verified step: two leaves of two shards each."""
+  rng = np.random.default_rng(0)
+  paths = ["['a']", "['b']"]
+  arrays, leaves = [], []
+  for path in paths:
+    by_index, shards = {}, []
+    for j in range(2):
+      arr = rng.integers(0, 2**32, 1000, dtype=np.uint32).view(np.float32)
+      index = ((j * 1000, (j + 1) * 1000),)
+      by_index[index] = arr
+      shards.append(
+        {
+          "index": [list(r) for r in index],
+          "offset": 0,
+          "nbytes": arr.nbytes,
+          **shard_checksum(arr.view(np.uint8)),
+        }
+      )
+    arrays.append(by_index)
+    leaves.append({"path": path, "shards": shards})
+  return LocalStep(step, {"leaves": leaves}, arrays), paths, arrays
+
+
+def _items(arrays) -> tuple[list, int]:
+  """(items, nbytes): every shard, laid out back to back in a receive buffer."""
+  items, offset = [], 0
+  for leaf_no, by_index in enumerate(arrays):
+    for index, arr in by_index.items():
+      items.append((leaf_no, shards_lib.ShardSlot(index, offset, arr.nbytes, ())))
+      offset += arr.nbytes
+  return items, offset
+
+
+@pytest.fixture
+def served():
+  local, paths, arrays = _local()
+  server = peer_stream.Server("127.0.0.1", local, paths, timeout_s=10, log_prefix="[test]")
+  yield server, paths, arrays
+  server.close()
+
+
+def test_pull_receives_every_shard_bit_exactly(served):
+  server, paths, arrays = served
+  items, nbytes = _items(arrays)
+  buffer = np.zeros(nbytes, np.uint8)
+  peer_stream.pull(server.offer(), 0, 7, items, paths, buffer, timeout_s=10)
+  want = np.concatenate([arr.view(np.uint8) for by in arrays for arr in by.values()])
+  assert buffer.tobytes() == want.tobytes()
+
+
+def test_a_client_without_the_token_gets_nothing(served):
+  server, paths, arrays = served
+  offer = dict(server.offer(), token="00" * peer_stream.TOKEN_BYTES)
+  items, nbytes = _items(arrays)
+  with pytest.raises(ConnectionError):
+    peer_stream.pull(offer, 0, 7, items, paths, np.zeros(nbytes, np.uint8), timeout_s=10)
+  with socket.create_connection((server.host, server.port), timeout=5) as raw:
+    raw.sendall(b"GET / HTTP/1.0\r\n\r\n" + b"x" * 64)
+    try:
+      got = raw.recv(1 << 16)
+    except ConnectionResetError:  # closed with our bytes unread
+      got = b""
+    assert got == b""  # nothing served
+
+
+def test_a_request_for_another_step_is_refused(served):
+  server, paths, arrays = served
+  items, nbytes = _items(arrays)
+  with pytest.raises(PeerTransferError, match="serves step 7"):
+    peer_stream.pull(server.offer(), 0, 8, items, paths, np.zeros(nbytes, np.uint8), timeout_s=10)
+
+
+def test_a_shard_the_sender_lacks_is_refused(served):
+  server, paths, arrays = served
+  items, nbytes = _items(arrays)
+  leaf_no, slot = items[0]
+  items[0] = (leaf_no, dataclasses.replace(slot, index=((5, 9),)))
+  with pytest.raises(PeerTransferError, match="no shard"):
+    peer_stream.pull(server.offer(), 0, 7, items, paths, np.zeros(nbytes, np.uint8), timeout_s=10)
+
+
+def test_a_shard_damaged_on_the_wire_fails_its_checksum(served, monkeypatch):
+  server, paths, arrays = served
+  monkeypatch.setattr(
+    peer_stream.failpoints, "armed", lambda name, step: name == "peer.corrupt_send"
+  )
+  items, nbytes = _items(arrays)
+  with pytest.raises(CorruptCheckpointError, match="fails its checksum on arrival"):
+    peer_stream.pull(server.offer(), 3, 7, items, paths, np.zeros(nbytes, np.uint8), timeout_s=10)
+
+
+def test_an_offer_with_an_error_names_the_sender():
+  with pytest.raises(PeerTransferError, match="process 5 cannot serve: no address"):
+    peer_stream.pull({"error": "no address"}, 5, 7, [], [], np.zeros(0, np.uint8), timeout_s=1)
+
+
+def test_the_server_listens_on_the_given_address_only(served):
+  server, _, _ = served
+  assert server.host == "127.0.0.1"
+  assert server._sock.getsockname()[0] == "127.0.0.1"
