@@ -251,7 +251,14 @@ def _manager_extras(two: list[dict], four: list[dict]) -> dict:
     return _median(_per_rep(rows, lambda p: [r[field] for r in p]))
 
   warmup = [p["warmup_save"] for p in two]
+  stalls = _per_rep(two, lambda p: [s["stall_s"] for s in p["saves"]])
+  copies = _per_rep(two, lambda p: [s["paired_memcpy_s"] for s in p["saves"]])
   extras: dict[str, Any] = {
+    "paired_stall_ratio": {
+      "value": _median([a / b for a, b in zip(stalls, copies)]),
+      "samples": [a / b for a, b in zip(stalls, copies)],
+      "memcpy_s": copies,
+    },
     "first_save": {f: max(s[f] for s in warmup) for f in ("stall_s", "local_s", "all_s")}
     | {"cpu_s": sum(s["cpu_s"] for s in warmup)},
     "save_maxrss_delta_mib": _median(
@@ -350,6 +357,21 @@ def markdown(doc: dict) -> str:
       ]
     row += [_x(rat[OURS][mt.key][f"to_{ORBAX_MS}"]), _x(rat[OURS][mt.key][f"to_{ORBAX_P2P}"])]
     lines.append("| " + " | ".join(row) + " |")
+  paired = {
+    name: res[name]["extras"]["paired_stall_ratio"]
+    for name in MANAGERS
+    if "paired_stall_ratio" in res[name].get("extras", {})
+  }
+  if paired:
+    lines += [
+      "",
+      "save() stall / memcpy of the same bytes timed seconds before it in the same job"
+      " (per save, each the max over processes; median over the timed saves; shares the"
+      " machine's drift, which the raw-bounds job, minutes away, does not):",
+    ]
+    for name, r in paired.items():
+      samples = ", ".join(f"{x:.2f}x" for x in r["samples"])
+      lines.append(f"- {name}: {r['value']:.2f}x (saves: {samples})")
   lines += ["", "Raw bounds:"]
   for key, b in raw.items():
     lines.append(f"- `{key}` = {b['value']:.4g} {b['unit']}: {b['what']}")

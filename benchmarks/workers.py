@@ -138,7 +138,18 @@ def raw_bounds(args: dict) -> dict:
 
 
 # ---- managers ----------------------------------------------------------------
-def _timed_save(adapter: adapters.Adapter, step: int, state, rss_base: int) -> dict:
+def _timed_save(
+  adapter: adapters.Adapter, step: int, state, rss_base: int, paired: tuple | None = None
+) -> dict:
+  """One save, timed. `paired` = (buffer, parts): first a memcpy of the
+  same bytes, timed in the same job seconds before the save (a bound that
+  shares the machine's drift, unlike the raw-bounds job's)."""
+  memcpy_s = None
+  if paired is not None:
+    barrier(f"memcpy-{step}")
+    t0 = m.now()
+    m.memcpy(*paired)
+    memcpy_s = m.now() - t0
   barrier(f"save-{step}")
   sampler = m.PeakRss().start()
   maxrss0 = m.maxrss_bytes()
@@ -162,6 +173,7 @@ def _timed_save(adapter: adapters.Adapter, step: int, state, rss_base: int) -> d
     "peak_extra_bytes": peak - rss_base,
     "maxrss_delta_bytes": m.maxrss_bytes() - maxrss0,
     "peak_method": sampler.method,
+    "paired_memcpy_s": memcpy_s,
   }
 
 
@@ -277,14 +289,19 @@ def _main_2x2(args: dict) -> dict:
   rec["notes"] = dict(adapter.notes)
   if hasattr(adapter, "bound"):
     rec["p2p_server"] = adapter.bound
+  parts = st.unique_shards(state)
+  paired = (np.ones(sum(p.nbytes for p in parts), np.uint8), parts)  # before the RSS baseline
   barrier("saves-begin")
-  rss_base = m.rss_bytes()  # before prepare(): the prepared file's pages count as the save's
+  rss_base = m.rss_bytes()  # before prepare(): the prepared buffer's pages count as the save's
   # The documented flow: prepare() while the trainer initializes (its wait
   # stands for the compile time before a trainer's first save).
   adapter.prepare()
   adapter.wait_all()
   barrier("saves-prepared")
-  saves = [_timed_save(adapter, step_of(k), state, rss_base) for k in range(WARMUP_SAVES + reps)]
+  saves = [
+    _timed_save(adapter, step_of(k), state, rss_base, paired) for k in range(WARMUP_SAVES + reps)
+  ]
+  del paired
   adapter.close()
   rec["rss_base_bytes"] = rss_base
   rec["warmup_save"], rec["warmup_saves"] = saves[0], saves[:WARMUP_SAVES]

@@ -71,6 +71,9 @@ def test_quick_benchmark_reports_every_metric(tmp_path):
       assert "to_raw_bound" in ratios, (name, key)
       if fig["value"] is not None:
         assert _positive(ratios["to_raw_bound"]), (name, key, ratios)
+  for name in MANAGERS:  # stall over a memcpy timed beside it, in the same job
+    paired = doc["results"][name]["extras"]["paired_stall_ratio"]
+    assert _positive(paired["value"]) and all(_positive(x) for x in paired["memcpy_s"]), paired
   # Our manager restores bit-exactly from every source (values hold -0.0, denormals).
   exact = doc["results"]["emergency_ckpt"]["extras"]["bit_exact"]
   assert exact and all(exact.values()), exact
@@ -79,3 +82,4 @@ def test_quick_benchmark_reports_every_metric(tmp_path):
   table = (out / "results.md").read_text()
   assert "| metric | raw bound | emergency_ckpt |" in table
   assert table.strip() in proc.stdout
+  assert "save() stall / memcpy of the same bytes" in table

@@ -330,9 +330,14 @@ def test_inspect_and_verify_local(tmp_path, capsys):
   root = tmp_path / "local"
   local_step(root, 10)
   d = local_step(root, 20)
+  spare = os.path.join(root, RUN, "process_0", ".tmp-spare-0123456789ab")
+  os.makedirs(spare)  # a retired step's file kept for the next save
   assert cli.main(["verify", str(root)]) == 0
-  assert cli.main(["inspect", str(root), "--json"]) == 0
   capsys.readouterr()
+  assert cli.main(["inspect", str(root), "--json"]) == 0
+  rows = json.loads(capsys.readouterr().out)
+  statuses = {os.path.basename(r["path"]): r.get("status") for r in rows if r["tier"] == "local"}
+  assert statuses[".tmp-spare-0123456789ab"].startswith("spare")
   with open(os.path.join(d, "shards.bin"), "r+b") as f:
     f.write(b"\xff")
   assert cli.main(["verify", str(root), "--step", "20"]) == 1

@@ -144,6 +144,10 @@ INVALID = [
     lambda: manager(state_commit_timeout_s=None),
     "state_commit_timeout_s",
   ),
+  ("peer_transport_unknown", lambda: manager(peer_transport="rdma"), "peer_transport"),
+  ("peer_transport_none", lambda: manager(peer_transport=None), "peer_transport"),
+  ("peer_host_empty", lambda: manager(peer_host=" "), "peer_host"),
+  ("peer_host_not_str", lambda: manager(peer_host=10), "peer_host"),
 ]
 
 

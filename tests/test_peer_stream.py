@@ -177,3 +177,42 @@ def test_the_server_listens_on_the_given_address_only(served):
   server, _, _ = served
   assert server.host == "127.0.0.1"
   assert server._sock.getsockname()[0] == "127.0.0.1"
+
+
+# ---- the address a server advertises ------------------------------------------------
+
+
+@pytest.fixture
+def coordinator(monkeypatch):
+  import jax  # noqa: PLC0415
+
+  state = jax._src.distributed.global_state  # noqa: SLF001
+
+  def set_address(address):
+    monkeypatch.setattr(state, "coordinator_address", address, raising=False)
+
+  return set_address
+
+
+def test_peer_host_override_wins(coordinator):
+  from emergency_ckpt.topology import peer_host  # noqa: PLC0415
+
+  coordinator("127.0.0.1:1234")
+  assert peer_host("10.1.2.3") == "10.1.2.3"
+
+
+def test_peer_host_is_the_interface_routing_to_the_coordinator(coordinator):
+  from emergency_ckpt.topology import peer_host  # noqa: PLC0415
+
+  coordinator("127.0.0.1:1234")
+  assert peer_host(None) == "127.0.0.1"
+  coordinator("localhost:1234")
+  assert peer_host(None) in ("127.0.0.1", "::1")
+
+
+def test_peer_host_unresolvable_coordinator_is_none(coordinator, caplog):
+  from emergency_ckpt.topology import peer_host  # noqa: PLC0415
+
+  coordinator("no-such-host.invalid:1234")
+  assert peer_host(None) is None
+  assert "set peer_host" in caplog.text

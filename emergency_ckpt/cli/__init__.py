@@ -58,8 +58,8 @@ whatever the rules say:
   local root, per process: with a state store (--state ROOT, or a persistent
     root given in DIR... whose run.json names the run), the newest committed
     step held and every newer step; without one, the newest step.
-Unfinished saves (.tmp-* folders, unfinalized Orbax folders) are left alone: a
-manager removes them when it starts. Deletion renames a step out of the
+Unfinished saves and spare files (.tmp-* folders, unfinalized Orbax folders)
+are left alone: a manager removes them when it starts. Deletion renames a step out of the
 listing first, so a crash never leaves a half-deleted step listed.
 Run it while no job writes these folders, and start with --dry-run.
 """

@@ -48,7 +48,9 @@ def _local_steps(root: str) -> list[dict[str, Any]]:
               "process": proc,
               "step": None,
               "path": os.path.join(proc_dir, name),
-              "status": "partial (ignored)",
+              "status": "spare (a retired step's file, reused by the next save)"
+              if name.startswith(".tmp-spare-")
+              else "partial (ignored)",
             }
           )
   return rows
