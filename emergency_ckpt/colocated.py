@@ -9,12 +9,13 @@ slowest process's. Measured here (4 processes, 2 cores, 256 MiB each): stall
 1.68x a memcpy with background work starting at once, 1.13x with it held
 back until every copy was done.
 
-So a process holds a shared flock on a per-run lock file while it is inside
+So a process holds a shared flock on a per-job lock file while it is inside
 save(), and background work first waits (briefly, capped) until no process
 holds it. No network, no collective: a flock on a file of the machine's
 /dev/shm (or its temp directory), in a per-user 0700 folder
-(emergency_ckpt-<uid>/<run_id>.staging; the empty files stay, as lock files
-must). save() never blocks here: it takes the shared lock without waiting
+(emergency_ckpt-<uid>/<job>.staging, <job> a digest of the JAX coordinator's
+address: other jobs on the machine, even of the same run, never wait on
+this one; removed at close when no process holds it). save() never blocks here: it takes the shared lock without waiting
 and goes on without it if it cannot. A folder or file that is not this
 user's own is never used (coordination is off, with a debug log): another
 user cannot make a save wait.
@@ -78,11 +79,13 @@ class StagingWindow:
   by background threads before memory-heavy work. Per process, no collective.
   """
 
-  def __init__(self, run_id: str, *, directory: str | None = None):
+  def __init__(self, job: str | None, *, directory: str | None = None):
+    """`job`: an id shared by exactly the processes of one job (None: a
+    single-process job, which has no co-located processes: the window is off)."""
     folder = os.path.join(directory or lock_dir(), f"emergency_ckpt-{os.geteuid()}")
-    self.path = os.path.join(folder, f"{run_id}.staging")
+    self.path = os.path.join(folder, f"{job}.staging")
     self._holder = self._waiter = None
-    if _own_private_dir(folder):
+    if job is not None and _own_private_dir(folder):
       self._holder = _open_own(self.path)  # shared while staging
       self._waiter = _open_own(self.path) if self._holder is not None else None
 
@@ -128,6 +131,15 @@ class StagingWindow:
     return time.monotonic() - t0
 
   def close(self) -> None:
+    """Releases the lock file, removing it if no other process has it locked
+    now (one that opened it but has not locked it yet keeps an unlinked
+    file: only the coordination is lost, for that job's remaining saves)."""
+    if self._waiter is not None:
+      try:
+        fcntl.flock(self._waiter, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.unlink(self.path)
+      except OSError:  # held by a co-located process (or gone): it stays
+        pass
     for fd in (self._holder, self._waiter):
       if fd is not None:
         os.close(fd)

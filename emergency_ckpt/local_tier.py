@@ -69,7 +69,7 @@ from emergency_ckpt.errors import (
   UnsafeDirectoryError,
 )
 from emergency_ckpt.options import LocalTierOptions
-from emergency_ckpt.topology import Topology
+from emergency_ckpt.topology import Topology, job_key
 
 logger = logging.getLogger("emergency_ckpt")
 
@@ -310,7 +310,7 @@ class LocalTier:
     self._spares: list[str] = []  # .tmp-spare-* folders, each holding a retired shards.bin
     self._max_spares = options.staging_buffers  # one per write that may run at once
     self._mapped: set[tuple[int, int]] = set()  # (st_dev, st_ino) of files read() mapped
-    self._window = StagingWindow(run_id)  # co-located processes' staging copies
+    self._window = StagingWindow(job_key())  # co-located processes' staging copies
     self._closed = False
     self._cleanup_tmp()
 

@@ -9,6 +9,7 @@ that never arrived. Tests replace `Collectives` to exercise pure logic.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 import json
 import logging
@@ -275,3 +276,14 @@ def peer_host(override: str | None) -> str | None:
   except OSError as e:
     logger.warning("cannot find the address that routes to %s (%s); set peer_host", host, e)
     return None
+
+
+def job_key() -> str | None:
+  """A short id shared by the processes of this job and no other (a digest
+  of the coordinator's address and the process count), or None in a
+  single-process job. Called by: any process."""
+  coordinator = getattr(jax._src.distributed.global_state, "coordinator_address", None)  # noqa: SLF001
+  if not coordinator or jax.process_count() == 1:
+    return None
+  raw = f"{coordinator}/{jax.process_count()}".encode()
+  return hashlib.sha256(raw).hexdigest()[:16]

@@ -223,6 +223,20 @@ SCENARIOS: list[Scenario] = [
     "1000 random single-bit flips in a saved step (manifest or shards), one per trial",
     "0 silent corruptions: every flip is detected or hits unused padding",
   ),
+  # ---- cross-slice transfer (2 slices x 2 processes, slice 1's ramdisks wiped) ----
+  _s(
+    "peer.damaged_in_transit",
+    "the stream transfer of step 5 to slice 1 flips one bit on the wire (step 5 has no"
+    " persistent copy)",
+    "the receiver's CRC32C check fails it; every process agrees the transfer failed and"
+    " moves on to step 4; nothing damaged is loaded",
+  ),
+  _s(
+    "peer.sender_refuses",
+    "then slice 0's processes drop the connection for step 4 (persistent has step 4)",
+    "every process agrees it failed; every slice reads step 4 from the persistent tier,"
+    " bit-exact (values + data_state)",
+  ),
   # ---- the ramdisk directory ----
   _s(
     "disk.enospc",

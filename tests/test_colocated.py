@@ -117,3 +117,37 @@ def test_the_lock_folder_is_private(tmp_path):
   assert st.st_mode & 0o777 == 0o700
   assert os.stat(w.path).st_mode & 0o777 == 0o600
   w.close()
+
+
+def test_a_single_process_job_has_no_window(tmp_path):
+  w = StagingWindow(None, directory=str(tmp_path))
+  assert not w.enabled
+  assert w.wait_closed(5) == 0.0
+
+
+def test_close_removes_the_lock_file_unless_held(tmp_path):
+  a, b = (
+    StagingWindow("job", directory=str(tmp_path)),
+    StagingWindow("job", directory=str(tmp_path)),
+  )
+  t = _hold_for(a, 0.5)
+  b.close()  # a is staging: the file stays
+  assert os.path.exists(a.path)
+  t.join()
+  a.close()
+  assert not os.path.exists(a.path)
+
+
+def test_job_key_is_shared_by_one_job_only(monkeypatch):
+  import jax  # noqa: PLC0415
+
+  from emergency_ckpt import topology  # noqa: PLC0415
+
+  state = jax._src.distributed.global_state  # noqa: SLF001
+  assert topology.job_key() is None  # this test process is a single-process job
+  monkeypatch.setattr(jax, "process_count", lambda: 4)
+  monkeypatch.setattr(state, "coordinator_address", "10.0.0.1:1234", raising=False)
+  first = topology.job_key()
+  assert first is not None and first == topology.job_key()
+  monkeypatch.setattr(state, "coordinator_address", "10.0.0.1:1235", raising=False)
+  assert topology.job_key() != first

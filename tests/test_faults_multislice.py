@@ -220,3 +220,52 @@ def test_restart_on_fewer_processes_local_only(multislice_runs, fault_matrix):
   recs = _restart_records(multislice_runs, "1 process", 1)
   ok, text = check_errors(recs, {0: ("NoRestorableCheckpointError", ["topology"])})
   fault_matrix.check(name, text, ok)
+
+
+def test_peer_transfer_damaged_then_refused(shm_dir, fault_matrix):
+  """Steps 1-5 saved (persistent: 2 and 4), slice 1's ramdisks wiped; on
+  slice 0, step 5's stream is damaged on the wire and step 4's senders drop
+  the connection."""
+  from tests.mpjob import run_job  # noqa: PLC0415
+
+  args = {
+    "slices": 2,
+    "local_root": os.path.join(shm_dir, "local"),
+    "persistent": os.path.join(shm_dir, "persistent"),
+    "steps": [1, 2, 3, 4, 5],
+    "variants": [{"name": "stream_fails", "wipe_slices": [1]}],
+  }
+  saved = run_job("tests.scenarios:save_steps", 4, args)
+  if saved.returncodes != [0, 0, 0, 0]:
+    for name in ("peer.damaged_in_transit", "peer.sender_refuses"):
+      fault_matrix.check(name, f"save job failed: {job_failure(saved)}", False)
+  armed = {"EC_FAILPOINTS": "peer.corrupt_send@5,peer.refuse@4"}
+  job = run_job("tests.scenarios:restore_variants", 4, args, env={0: armed, 1: armed})
+  if job.returncodes != [0, 0, 0, 0]:
+    for name in ("peer.damaged_in_transit", "peer.sender_refuses"):
+      fault_matrix.check(name, f"restore job failed: {job_failure(job)}", False)
+  recs = [r[0] for r in job.results]
+  receivers = job.logs[2] + job.logs[3]
+  damaged = "step 5" in receivers and "fails its checksum on arrival" in receivers
+  got = sorted({(r.get("step"), r.get("source")) for r in recs})
+  text = (
+    f"receivers logged a CRC32C failure of step 5: {damaged}; no process restored step 5"
+    f" (restored {got})"
+  )
+  fault_matrix.check(
+    "peer.damaged_in_transit", text, damaged and all(r.get("step") != 5 for r in recs)
+  )
+  ok = all(
+    "error" not in r
+    and (r["step"], r["source"]) == (4, "persistent")
+    and r["mismatches"] == []
+    and r["data_state"] == r["expected_data_state"]
+    for r in recs
+  )
+  fallback = "reading the step from the persistent tier" in receivers
+  text = (
+    f"every process restored {got}, bit mismatches {[r.get('mismatches') for r in recs]},"
+    f" data_state ok {[r.get('data_state') == r.get('expected_data_state') for r in recs]};"
+    f" receivers logged the persistent fallback: {fallback}"
+  )
+  fault_matrix.check("peer.sender_refuses", text, ok and fallback)

@@ -134,16 +134,19 @@ def test_restore_prepares_the_first_saves_staging_buffer(options, mesh, how):
     assert mngr.latest_step() == 2
 
 
-def test_background_work_waits_for_a_colocated_save(options, mesh):
-  """While another process of this run on this machine is inside save(),
+def test_background_work_waits_for_a_colocated_save(options, mesh, monkeypatch):
+  """While another process of this job on this machine is inside save(),
   this process's save() returns at once, but its ramdisk write and its
   persistent upload start only when that save ends (colocated.py)."""
   import threading  # noqa: PLC0415
   import time  # noqa: PLC0415
 
+  from emergency_ckpt import local_tier  # noqa: PLC0415
   from emergency_ckpt.colocated import StagingWindow  # noqa: PLC0415
 
-  other = StagingWindow(options.effective_run_id)
+  job = f"test-job-{os.getpid()}"  # as if a process of a multi-process job
+  monkeypatch.setattr(local_tier, "job_key", lambda: job)
+  other = StagingWindow(job)
   assert other.enabled
   inside, leave = threading.Event(), threading.Event()
 
