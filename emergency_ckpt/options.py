@@ -63,11 +63,12 @@ class LocalTierOptions:
   value passed to save(metrics=...)). None: off."""
 
   staging_buffers: int = 1
-  """Local writes in flight at once. A save copies straight into a shards.bin
-  file preallocated on the ramdisk after the previous save (so the ramdisk
-  holds one extra step's worth of bytes); when that file cannot be made, into
-  a host buffer of the same size. With 1, a save that arrives while the
-  previous local write is still running waits for it; 2 lets them overlap."""
+  """Local writes in flight at once. A save copies into a host staging
+  buffer (kept between saves, one copy of the process's shards) that a
+  background thread writes to the ramdisk, into a retired step's file where
+  one is spare (the ramdisk keeps up to this many spares). With 1, a save
+  that arrives while the previous local write is still running waits for
+  it; 2 lets them overlap, for one more buffer and spare."""
 
   def __post_init__(self):
     _require(
@@ -152,8 +153,9 @@ class CheckpointManagerOptions:
   peer_transport: str = "stream"
   """How a slice that lost its ramdisk gets a step from a peer slice:
   "stream" (each receiving process pulls its shards over TCP from processes
-  of intact slices, token-authenticated, CRC32C-checked) or "collective"
-  (an XLA collective permute over the replica axis: gloo's TCP on CPU, the
+  of intact slices, token-authenticated, CRC32C-checked; 0.21 s for 256 MiB
+  per process on this CPU test machine) or "collective" (an XLA collective
+  permute over the replica axis: gloo's TCP on CPU, 0.415 s there; the
   accelerator network elsewhere; no port of ours to open)."""
 
   peer_host: str | None = None

@@ -10,9 +10,11 @@ page-aligned buffer of the receiver, laid out like the local tier's file, and
 the restored arrays alias it on CPU (one copy on each side, in the kernel).
 Each shard is checked against the CRC32C of the sender's manifest on arrival.
 
-Measured against the XLA collective permute (peer.py, gloo's TCP on CPU):
-see the README's benchmark. peer.py stays available (peer_transport =
-"collective") for networks where hosts cannot open ports to each other.
+Measured against the XLA collective permute (peer.py, gloo's TCP on CPU),
+interleaved in one job (2 slices x 2 processes, 256 MiB per process, slice 1
+wiped): transfer 0.21 s vs 0.415 s (medians of 5), whole restore 0.405 s vs
+0.585 s. peer.py stays available (peer_transport = "collective") for
+networks where hosts cannot open ports to each other.
 
 Security: every process of an intact slice listens during the transfer only,
 on one address (the interface that routes to the JAX coordinator, or
