@@ -212,12 +212,16 @@ class _BufferPool:
     self._sem = threading.Semaphore(count)
     self._count = count
     self._lock = threading.Lock()
+    self._ready = threading.Condition(self._lock)  # a preallocated buffer landed
+    self._preparing: set[int] = set()  # sizes preallocate() is faulting in now
     self._free: list[np.ndarray] = []
     self._holders: dict[int, int] = {}  # id(buffer) -> readers besides the write
     self._writing: set[int] = set()  # id(buffer) of buffers a local write holds
 
   def _take_free(self, nbytes: int) -> np.ndarray | None:
     with self._lock:
+      while nbytes in self._preparing:  # faulting it in here would cost the same, and double it
+        self._ready.wait()
       i = next((i for i, b in enumerate(self._free) if b.nbytes == nbytes), None)
       if i is None:
         self._free.clear()  # the layout changed: drop old sizes
@@ -237,13 +241,20 @@ class _BufferPool:
     """Makes sure a free, faulted-in buffer of `nbytes` exists (so the next
     acquire's copy takes no page fault). Blocks on allocating and touching it."""
     with self._lock:
-      if any(b.nbytes == nbytes for b in self._free):
+      if nbytes in self._preparing or any(b.nbytes == nbytes for b in self._free):
         return
-    buf = aligned_empty(nbytes)
-    _fault_in(buf)
-    with self._lock:
-      self._free = [b for b in self._free if b.nbytes == nbytes]
-      self._put_back(buf)
+      self._preparing.add(nbytes)
+    buf = None
+    try:
+      buf = aligned_empty(nbytes)
+      _fault_in(buf)
+    finally:
+      with self._lock:
+        self._preparing.discard(nbytes)
+        if buf is not None:
+          self._free = [b for b in self._free if b.nbytes == nbytes]
+          self._put_back(buf)
+        self._ready.notify_all()
 
   def hold(self, buf: np.ndarray) -> None:
     """One more reader of `buf`; it must call unhold(buf) when done."""

@@ -193,7 +193,7 @@ class Server:
             raw[len(raw) // 2] ^= 1
             corrupt = False
           conn.sendall(memoryview(raw))
-      except (OSError, ValueError) as e:
+      except (OSError, ValueError, TypeError, KeyError, IndexError) as e:  # a malformed request too
         logger.warning("%s peer transfer: a send failed: %s", self._prefix, e)
 
   def _answer(self, request: Any) -> tuple[dict, list[np.ndarray]]:

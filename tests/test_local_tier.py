@@ -906,3 +906,32 @@ def test_an_upload_holding_the_buffer_keeps_it_from_the_next_save(tier, state):
   staged3 = tier.stage(3, paths, leaves)
   assert staged3.buffer is staged.buffer or staged3.buffer is staged2.buffer
   tier.write_async(staged3).result()
+
+
+def test_a_save_during_prepare_takes_the_prepared_buffer(tier, mesh, monkeypatch):
+  """save() arriving while prepare() still faults the staging buffer in
+  waits for that buffer rather than allocating a second one."""
+  value = np.arange(1 << 20, dtype=np.uint32)
+  big = {"x": jax.device_put(value, NamedSharding(mesh, P("data")))}
+  paths, leaves, _ = shards_lib.leaf_paths(big)
+  started, release = threading.Event(), threading.Event()
+  real = local_tier_lib._fault_in
+
+  def slow_fault_in(buf):
+    started.set()
+    release.wait(10)
+    real(buf)
+
+  monkeypatch.setattr(local_tier_lib, "_fault_in", slow_fault_in)
+  tier.prepare(paths, leaves)
+  assert started.wait(10)
+  got = {}
+  t = threading.Thread(target=lambda: got.setdefault("staged", tier.stage(1, paths, leaves)))
+  t.start()
+  time.sleep(0.2)
+  assert "staged" not in got  # waiting for the buffer being prepared
+  release.set()
+  t.join(10)
+  tier.write_async(got["staged"]).result()
+  tier.wait_idle()
+  assert len(tier._pool._free) == 1 and tier._pool._free[0] is got["staged"].buffer

@@ -216,3 +216,17 @@ def test_peer_host_unresolvable_coordinator_is_none(coordinator, caplog):
   coordinator("no-such-host.invalid:1234")
   assert peer_host(None) is None
   assert "set peer_host" in caplog.text
+
+
+def test_a_malformed_request_is_refused_without_killing_the_server(served):
+  server, paths, arrays = served
+  with socket.create_connection((server.host, server.port), timeout=5) as raw:
+    raw.sendall(peer_stream.MAGIC + bytes.fromhex(server.offer()["token"]))
+    peer_stream._send_json(raw, {"step": 7, "shards": [[0]]})  # not [leaf, path, index]
+    try:
+      got = raw.recv(1 << 16)
+    except ConnectionResetError:
+      got = b""
+    assert got == b""
+  items, nbytes = _items(arrays)  # the server still serves a good request
+  peer_stream.pull(server.offer(), 0, 7, items, paths, np.zeros(nbytes, np.uint8), timeout_s=10)
