@@ -373,13 +373,21 @@ class LocalTier:
         shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
 
   # ---- save ----------------------------------------------------------------
-  def stage(self, step: int, paths: Sequence[str], arrays: Sequence[Any]) -> Staged:
-    """Copies this process's shards to a host staging buffer. Blocks on that
-    copy only (and on a free buffer, if `staging_buffers` writes are still
-    running)."""
-    t0 = time.perf_counter()
+  def reserve(self, paths: Sequence[str], arrays: Sequence[Any]) -> tuple:
+    """A staging buffer for this layout, for stage(reserved=...). Blocks
+    while `staging_buffers` local writes are still running: call it before
+    staging() (a write waits for the staging window to close)."""
     layout = shards_lib.layout_for(paths, arrays)
-    buffer = self._pool.acquire(layout.nbytes)
+    return layout, self._pool.acquire(layout.nbytes)
+
+  def stage(
+    self, step: int, paths: Sequence[str], arrays: Sequence[Any], reserved: tuple | None = None
+  ) -> Staged:
+    """Copies this process's shards to a host staging buffer (`reserved`,
+    from reserve(), or one taken here). Blocks on that copy only (and, if
+    not reserved, on a free buffer while `staging_buffers` writes run)."""
+    t0 = time.perf_counter()
+    layout, buffer = reserved if reserved is not None else self.reserve(paths, arrays)
     try:
       shards_lib.stage(arrays, layout, buffer)
     except BaseException:
@@ -389,8 +397,10 @@ class LocalTier:
 
   def staging(self):
     """A context in which this process counts as staging: co-located
-    processes of the run hold their background work until it ends (see
-    colocated.py). Called by: the thread that calls stage(). Never blocks."""
+    processes of the job hold their background work until it ends (see
+    colocated.py). Called by: the thread that calls stage(). Never blocks;
+    nothing inside it may wait for this process's own background work
+    (reserve() and the previous upload come first)."""
     return self._window.staging()
 
   def wait_others_staged(self, staged: Staged) -> float:

@@ -238,10 +238,20 @@ class CheckpointManager:
         t for t, on in (("local", decision.local), ("persistent", decision.persistent)) if on
       ],
     }
+    persistent = decision.persistent and self._topology.is_primary_slice
+    if persistent:  # at most one upload in flight: wait for the previous one here
+      self._persistent.wait_previous(step)
+    reserved = None
+    if decision.local or (persistent and self._upload_snapshots):
+      reserved = self._local.reserve(paths, leaves)  # may wait for the previous local write
     # Co-located processes of this job start their background work only
     # once no process on this machine is inside this part (colocated.py).
+    # Nothing in it waits for this process's own background work, which
+    # waits for this part to end.
     with self._local.staging():
-      nbytes = self._stage_and_dispatch(step, state, data_state, decision, paths, leaves, treedef)
+      nbytes = self._stage_and_dispatch(
+        step, state, data_state, decision, paths, leaves, treedef, reserved
+      )
     self._last_step = step
     self._events.record(
       "save",
@@ -252,14 +262,17 @@ class CheckpointManager:
     )
     return True
 
-  def _stage_and_dispatch(self, step, state, data_state, decision, paths, leaves, treedef) -> int:
-    """save()'s copy and the background work it starts; returns the bytes
-    staged for the local tier (0 if it does not save locally)."""
+  def _stage_and_dispatch(
+    self, step, state, data_state, decision, paths, leaves, treedef, reserved
+  ) -> int:
+    """save()'s copy (into `reserved`) and the background work it starts;
+    returns the bytes staged for the local tier (0 if it does not save
+    locally)."""
     nbytes = 0
     persistent = decision.persistent and self._topology.is_primary_slice
     staged = None
-    if decision.local or (persistent and self._upload_snapshots):
-      staged = self._local.stage(step, paths, leaves)
+    if reserved is not None:
+      staged = self._local.stage(step, paths, leaves, reserved)
       logger.debug("%s step %d staged in %.3fs", self._topology.log_prefix(), step, staged.stall_s)
     release = None
     if persistent and self._upload_snapshots:

@@ -293,7 +293,7 @@ class PersistentTier:
       return True
     return self._manager is not None and self._manager.is_saving_in_progress()
 
-  def _wait_previous(self, step: int) -> None:
+  def wait_previous(self, step: int) -> None:
     """At most ONE upload is in flight: waits for the previous one (and
     re-raises its error). Waiting (rather than skipping this save) needs no
     agreement between the primary slice's processes (a skip decided per
@@ -331,10 +331,10 @@ class PersistentTier:
   def save(self, step: int, tree: Any) -> None:
     """Starts an async save of device arrays. Called by: every process of the
     primary slice. Blocks on Orbax's device-to-host copy of the shards, and on
-    the previous upload if it still runs (see _wait_previous)."""
+    the previous upload if it still runs (see wait_previous)."""
     assert self._manager is not None, "only the primary slice saves persistently"
     check_replicated(tree, self._topology.replica_axis_name)
-    self._wait_previous(step)
+    self.wait_previous(step)
     self._start(step, tree)
 
   def save_snapshot(
@@ -344,11 +344,11 @@ class PersistentTier:
     only): `make_tree()` builds arrays aliasing the snapshot, on the upload
     thread; `release()` runs once Orbax no longer reads it (the upload ended
     or failed). Called by: every process of the primary slice, in the same
-    step order. Blocks only on the previous upload (see _wait_previous)."""
+    step order. Blocks only on the previous upload (see wait_previous)."""
     assert self._manager is not None, "only the primary slice saves persistently"
     try:
       check_replicated(tree, self._topology.replica_axis_name)
-      self._wait_previous(step)
+      self.wait_previous(step)
     except BaseException:
       release()
       raise

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 
@@ -172,3 +173,33 @@ def test_background_work_waits_for_a_colocated_save(options, mesh, monkeypatch):
     assert mngr.all_steps() == [4]
   t.join(5)
   other.close()
+
+
+def test_back_to_back_saves_never_wait_out_the_staging_window(options, mesh, monkeypatch):
+  """save() takes its staging buffer and waits for the previous upload
+  before it opens the staging window: its own background work (which waits
+  for the window to close) is never what it waits for inside the window, so
+  no wait for the window ends by its cap."""
+  from emergency_ckpt import colocated, local_tier  # noqa: PLC0415
+
+  monkeypatch.setattr(local_tier, "job_key", lambda: f"test-job-{os.getpid()}")
+  waits = []
+  real = colocated.StagingWindow.wait_closed
+
+  def wait_closed(self, timeout_s):
+    waited = real(self, timeout_s)
+    waits.append((waited, timeout_s))
+    return waited
+
+  monkeypatch.setattr(colocated.StagingWindow, "wait_closed", wait_closed)
+  opts = dataclasses.replace(
+    options,
+    local=dataclasses.replace(options.local, save_interval_steps=1),
+    persistent=dataclasses.replace(options.persistent, save_interval_steps=2),
+  )
+  with ec.CheckpointManager(opts, mesh=mesh) as mngr:
+    for step in range(1, 9):  # no wait between saves: writes and uploads overlap them
+      assert mngr.save(step, _state(mesh, float(step)))
+    mngr.wait_until_finished()
+    assert mngr.latest_step() == 8
+  assert waits and all(w < t for w, t in waits), waits
