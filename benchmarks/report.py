@@ -24,11 +24,26 @@ class Metric:
   label: str
   unit: str
   bound: str
+  same_job: bool = False
+  """The ratio's bound is `bound` timed inside the manager's own job (its
+  figure's "bound" field), not the raw-bounds job's: for the stall, a memcpy
+  that differs between jobs by more than the target's margin (see
+  SAME_JOB_WHY). The raw-bounds job's ratio is kept as to_raw_job_bound."""
 
+
+# Measured on this 2-core VM: six bare 4-process jobs, each timing the same
+# 256 MiB memcpy 8 times, had job medians of 42-66 ms, while within a job two
+# buffers tracked each other within 0.95-1.13x. A 1.2x stall target cannot be
+# judged against another job's memcpy.
+SAME_JOB_WHY = (
+  "the same memcpy varies between jobs on this machine by more than the 1.2x"
+  " target (bare jobs: medians 42-66 ms), so the stall is divided by a memcpy of"
+  " the same bytes timed in the same job, just before each save"
+)
 
 METRICS = (
-  Metric("save_stall_s", "save() stall", "s", "memcpy_s"),
-  Metric("first_save_stall_s", "first save() stall of a manager", "s", "memcpy_s"),
+  Metric("save_stall_s", "save() stall", "s", "memcpy_s", same_job=True),
+  Metric("first_save_stall_s", "first save() stall of a manager", "s", "memcpy_s", same_job=True),
   Metric("save_durable_local_s", "save until durable locally", "s", "ramdisk_write_s"),
   Metric(
     "save_durable_persistent_s", "save until durable on persistent", "s", "persistent_write_s"
@@ -151,6 +166,8 @@ def manager_figures(
       "one sample: the untimed warm-up save of the timed manager, after prepare() where"
       " the manager has it (ours) and a wait standing for the trainer's compile time",
     )
+    for key, bound in same_job_memcpy(two).items():
+      figs[key]["bound"] = bound
     if name == ORBAX_MS:
       add(
         "save_durable_local_s",
@@ -218,6 +235,16 @@ def manager_figures(
   if restart_errors:
     extras["restart_errors"] = restart_errors
   return {mt.key: figs[mt.key] for mt in METRICS}, extras
+
+
+def same_job_memcpy(two: list[dict]) -> dict[str, float | None]:
+  """The stall rows' bounds from a manager's 2x2 job: the memcpy of the same
+  bytes timed just before each save (per save the max over processes; the
+  median over the timed saves), and the one before the first save."""
+  return {
+    "save_stall_s": _median(_per_rep(two, lambda p: [s["paired_memcpy_s"] for s in p["saves"]])),
+    "first_save_stall_s": max(p["warmup_save"]["paired_memcpy_s"] for p in two),
+  }
 
 
 def _saves_by_slice(two: list[dict]) -> dict[str, dict]:
@@ -308,8 +335,15 @@ def ratios(raw: dict[str, dict], results: dict[str, dict]) -> dict:
   for name in MANAGERS:
     out[name] = {}
     for mt in METRICS:
-      v = results[name]["metrics"][mt.key]["value"]
-      r = {"to_raw_bound": _ratio(v, raw[mt.bound]["value"])}
+      fig = results[name]["metrics"][mt.key]
+      v = fig["value"]
+      if mt.same_job:
+        r = {
+          "to_raw_bound": _ratio(v, fig.get("bound")),
+          "to_raw_job_bound": _ratio(v, raw[mt.bound]["value"]),
+        }
+      else:
+        r = {"to_raw_bound": _ratio(v, raw[mt.bound]["value"])}
       for other in (ORBAX_MS, ORBAX_P2P):
         if other != name:
           r[f"to_{other}"] = _ratio(v, results[other]["metrics"][mt.key]["value"])
@@ -349,7 +383,12 @@ def markdown(doc: dict) -> str:
     "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
   ]
   for mt in METRICS:
-    row = [mt.label, _fmt(raw[mt.bound]["value"], mt.unit if mt.unit != "MiB" else "MiB")]
+    if mt.same_job:
+      per_job = [res[name]["metrics"][mt.key].get("bound") for name in MANAGERS]
+      bound_cell = "same job: " + " / ".join(_fmt(b, mt.unit) for b in per_job)
+    else:
+      bound_cell = _fmt(raw[mt.bound]["value"], mt.unit)
+    row = [mt.label, bound_cell]
     for name in MANAGERS:
       row += [
         _fmt(res[name]["metrics"][mt.key]["value"], mt.unit),
@@ -365,13 +404,24 @@ def markdown(doc: dict) -> str:
   if paired:
     lines += [
       "",
-      "save() stall / memcpy of the same bytes timed seconds before it in the same job"
-      " (per save, each the max over processes; median over the timed saves; shares the"
-      " machine's drift, which the raw-bounds job, minutes away, does not):",
+      "save() stall rows: 'raw bound' is the memcpy of the same bytes timed just before"
+      " each save in that manager's own job (emergency_ckpt / orbax_multislice / orbax_p2p):"
+      f" {SAME_JOB_WHY}. Per save (each the max over processes), stall / that memcpy:",
     ]
     for name, r in paired.items():
       samples = ", ".join(f"{x:.2f}x" for x in r["samples"])
       lines.append(f"- {name}: {r['value']:.2f}x (saves: {samples})")
+    memcpys = [raw["memcpy_s"]["value"]] + [
+      res[name]["metrics"]["save_stall_s"].get("bound") for name in MANAGERS
+    ]
+    memcpys = [x for x in memcpys if x is not None]
+    cross = ", ".join(
+      f"{name} {_x(rat[name]['save_stall_s'].get('to_raw_job_bound'))}" for name in MANAGERS
+    )
+    lines.append(
+      f"- the same memcpy in this run's jobs: {min(memcpys):.3f}-{max(memcpys):.3f} s;"
+      f" against the raw-bounds job's ({raw['memcpy_s']['value']:.3f} s) the stall is {cross}"
+    )
   lines += ["", "Raw bounds:"]
   for key, b in raw.items():
     lines.append(f"- `{key}` = {b['value']:.4g} {b['unit']}: {b['what']}")

@@ -74,6 +74,9 @@ def test_quick_benchmark_reports_every_metric(tmp_path):
   for name in MANAGERS:  # stall over a memcpy timed beside it, in the same job
     paired = doc["results"][name]["extras"]["paired_stall_ratio"]
     assert _positive(paired["value"]) and all(_positive(x) for x in paired["memcpy_s"]), paired
+    for key in ("save_stall_s", "first_save_stall_s"):
+      assert _positive(doc["results"][name]["metrics"][key]["bound"]), (name, key)
+      assert _positive(doc["ratios"][name][key]["to_raw_job_bound"]), (name, key)
   # Our manager restores bit-exactly from every source (values hold -0.0, denormals).
   exact = doc["results"]["emergency_ckpt"]["extras"]["bit_exact"]
   assert exact and all(exact.values()), exact
@@ -82,4 +85,5 @@ def test_quick_benchmark_reports_every_metric(tmp_path):
   table = (out / "results.md").read_text()
   assert "| metric | raw bound | emergency_ckpt |" in table
   assert table.strip() in proc.stdout
-  assert "save() stall / memcpy of the same bytes" in table
+  assert "save() stall rows: 'raw bound' is the memcpy of the same bytes" in table
+  assert "| save() stall | same job: " in table
