@@ -127,6 +127,8 @@ class CheckpointManager:
     self._state_writer = concurrent.futures.ThreadPoolExecutor(1, "ec-state-write")
     self._committer = concurrent.futures.ThreadPoolExecutor(1, "ec-state-commit")
     self._retainer = concurrent.futures.ThreadPoolExecutor(1, "ec-local-retention")
+    self._commit_watch = concurrent.futures.ThreadPoolExecutor(1, "ec-commit-watch")
+    self._watch_stop: threading.Event | None = None  # the newest watch's; set = give up
     self._lock = threading.Lock()
     self._pending: list[concurrent.futures.Future] = []
     self._errors: list[BaseException] = []
@@ -326,6 +328,8 @@ class CheckpointManager:
         self._durable(step, "state", None, f"{type(e).__name__}: {e}")
         raise
       self._durable(step, "state", None)
+      if not self._topology.is_primary_process:
+        self._watch_commit(step)
 
     write = self._state_writer.submit(write_state)
     self._track(write)
@@ -341,9 +345,54 @@ class CheckpointManager:
       info=self._info.get(step),
     )
     if committed:
+      self._collectives.signal(f"committed_{step}")
+      if self._local_over_budget():
+        self._retain_local_soon()
       self._apply_state_retention()
       if step in self._persistent_final:
         self._apply_persistent_retention()
+
+  def _local_over_budget(self) -> bool:
+    """More local steps than max_to_keep: a new commit may free one."""
+    return len(self._local.steps()) > self._options.local.max_to_keep
+
+  def _retain_local_soon(self) -> None:
+    try:
+      self._track(self._retainer.submit(self._apply_local_retention))
+    except RuntimeError:  # closing: the executor takes no more work
+      pass
+
+  def _watch_commit(self, step: int) -> None:
+    """Non-primary processes, after writing their JSON of `step`: once the
+    primary signals that `step` committed, local retention runs again (it
+    reads the markers; the signal only says when to look). Without it, a
+    step that only this commit makes droppable stays on the ramdisk until
+    the next local write: with max_to_keep=1, two copies between saves. A
+    newer step's watch (or close) ends this one. Not tracked: a commit that
+    never comes costs nothing but this thread's wait."""
+    if not self._local_over_budget():
+      return
+    stop = threading.Event()
+    with self._lock:
+      if self._closed:
+        return
+      if self._watch_stop is not None:
+        self._watch_stop.set()
+      self._watch_stop = stop
+
+    def watch() -> None:
+      if self._collectives.wait_signal(
+        f"committed_{step}",
+        timeout_s=self._options.state_commit_timeout_s,
+        stop=stop,
+        poll_s=0.5,
+      ):
+        self._retain_local_soon()
+
+    try:
+      self._commit_watch.submit(watch)
+    except RuntimeError:  # closing
+      pass
 
   def _metrics_of(self, steps) -> dict[int, dict]:
     """Metrics of `steps`: from save() calls, else from their COMMIT records."""
@@ -870,10 +919,14 @@ class CheckpointManager:
       else:
         self.wait_until_finished()
     finally:
-      self._closed = True
+      with self._lock:
+        self._closed = True
+        if self._watch_stop is not None:
+          self._watch_stop.set()
       self._local.close()
       self._state_writer.shutdown(wait=True)
       self._committer.shutdown(wait=True)
+      self._commit_watch.shutdown(wait=True)  # ends within its 0.5 s poll
       self._retainer.shutdown(wait=True)
       self._persistent.close(abandon=self._failed)
       self._events.close()

@@ -228,6 +228,47 @@ class Collectives:
     """Blocks until every process in `processes` arrives (an empty exchange)."""
     self.exchange(name, None, processes=processes, timeout_s=timeout_s)
 
+  def _signal_key(self, name: str) -> str:
+    return f"emergency_ckpt/{self._namespace}/signal/{name}"
+
+  def signal(self, name: str) -> None:
+    """Raises the one-shot flag `name` for every process of the job: a hint
+    that something worth looking at happened (readers then check storage
+    markers; a flag never stands in for one). Called by: one process. Blocks
+    on one call to the coordination service; a failure is logged, not raised.
+    A no-op in single-process jobs."""
+    if self._client is None:
+      return
+    try:
+      self._client.key_value_set(self._signal_key(name), "1")
+    except Exception as e:  # noqa: BLE001 - already raised, or the service is gone
+      logger.debug("%s signal %r not set: %s", self._topology.log_prefix(), name, e)
+
+  def wait_signal(
+    self, name: str, *, timeout_s: float, stop: threading.Event, poll_s: float = 1.0
+  ) -> bool:
+    """True once signal(name) was called by any process (before or after
+    this call); False after `timeout_s` or once `stop` is set (checked every
+    `poll_s`). Called by: any process, from a background thread. Blocks up
+    to `timeout_s`. Always False in single-process jobs."""
+    if self._client is None:
+      return False
+    key = self._signal_key(name)
+    deadline = time.monotonic() + timeout_s
+    while not stop.is_set():
+      left = deadline - time.monotonic()
+      if left <= 0:
+        return False
+      t0 = time.monotonic()
+      wait_s = min(left, poll_s)
+      try:
+        self._client.blocking_key_value_get(key, max(1, int(wait_s * 1000)))
+        return True
+      except Exception:  # noqa: BLE001 - a timeout, or the service is going away
+        if time.monotonic() - t0 < wait_s / 2:  # failed at once: do not spin
+          stop.wait(wait_s)
+    return False
+
 
 def init_orbax_multihost() -> None:
   """Orbax prerequisites for barriers over process subsets (idempotent).

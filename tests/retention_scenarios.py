@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import time
 
 import emergency_ckpt as ec
 from tests.scenarios import abstract_state, data_state, make_state, mesh_for, mismatches, options
@@ -69,4 +71,39 @@ def delete_only_step(args: dict) -> dict:
     out["still"] = mngr.all_steps()
     mngr.delete(2, force=True)
     out["after_force"] = mngr.all_steps()
+  return out
+
+
+def _local_listing(directory: str) -> list[int]:
+  """Step folders of this process's ramdisk folder that hold a manifest."""
+  return sorted(
+    int(name[len("step_") :])
+    for name in os.listdir(directory)
+    if name.startswith("step_")
+    and name[len("step_") :].isdigit()
+    and os.path.isfile(os.path.join(directory, name, "manifest.json"))
+  )
+
+
+def local_retention_after_commit(args: dict) -> dict:
+  """max_to_keep=1: saves steps 1..3, waiting after each; then each process
+  polls its own ramdisk folder (up to 15 s) until it holds step 3 alone.
+  A step becomes droppable only when the next one commits, which happens
+  after this process's own write: the listing shows whether retention ran
+  again once the commit came."""
+  mesh = mesh_for(args["slices"])
+  base = options(args)
+  opts = dataclasses.replace(base, local=dataclasses.replace(base.local, max_to_keep=1))
+  out: dict = {}
+  with ec.CheckpointManager(opts, mesh=mesh) as mngr:
+    for step in (1, 2, 3):
+      mngr.save(step, make_state(mesh, step), data_state(step))
+      mngr.wait_until_finished()
+    deadline = time.monotonic() + 15
+    listing = _local_listing(mngr.local_directory)
+    while listing != [3] and time.monotonic() < deadline:
+      time.sleep(0.05)
+      listing = _local_listing(mngr.local_directory)
+    out["local_steps"] = listing
+    out["all_steps"] = mngr.all_steps()
   return out

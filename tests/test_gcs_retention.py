@@ -31,7 +31,10 @@ def test_retention_best_metadata_delete_on_gcs(gcs_server, gcs_bucket, shm_dir):
   assert md["topology"]["process_count"] == 4
   md16 = first["metadata_16"]
   assert md16["local_slices"] == [0, 1] and md16["persistent"] and md16["local_bytes"] > 0
-  assert first["after_delete_16"] == [s for s in steps if s != 16]
+  # 13 (slice 1's lingering copy) may also be gone by now: each commit wakes
+  # local retention on every process, so 16's commit can drop it meanwhile.
+  after = first["after_delete_16"]
+  assert set(after) <= set(steps) - {16} and set(steps) - set(after) <= {13, 16}, (steps, after)
   for r in results:
     assert r["restored"] == {"step": 15, "source": "local", "mismatches": [], "data_state_ok": True}
     # From persistent, or from slice 1's lingering local copy (peer for slice 0).

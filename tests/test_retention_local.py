@@ -1,8 +1,11 @@
 """Local retention never drops the newest committed step or anything newer."""
 
+import os
+
 import pytest
 
 from emergency_ckpt.policies import keep_local
+from tests.mpjob import run_job
 
 
 @pytest.mark.parametrize(
@@ -40,3 +43,21 @@ def test_keep_state_keeps_persistent_recent_and_in_flight():
   assert 20 in keep_state(
     listed, committed=listed, persistent=[], local_keep=1, persistent_interval=20
   )
+
+
+def test_every_process_drops_the_older_step_once_the_newer_one_commits(shm_dir):
+  """max_to_keep=1 on 2 slices of 1 process: after the third save each
+  ramdisk holds step 3 alone. Before commits woke retention up, both
+  processes kept steps 2 and 3 until their next write (step 3 committed
+  only after their own write's retention had run)."""
+  args = {
+    "slices": 2,
+    "local_root": os.path.join(shm_dir, "local"),
+    "persistent": os.path.join(shm_dir, "persistent"),
+  }
+  results = run_job(
+    "tests.retention_scenarios:local_retention_after_commit", 2, args, timeout_s=120
+  ).check()
+  for r in results:
+    assert r["local_steps"] == [3], results
+    assert r["all_steps"][-1] == 3, results
