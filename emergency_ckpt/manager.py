@@ -19,7 +19,15 @@ from typing import Any
 import jax
 from etils import epath
 
-from emergency_ckpt import failpoints, peer, peer_stream, persistent_tier, policies, restore_plan
+from emergency_ckpt import (
+  failpoints,
+  peer,
+  peer_stream,
+  persistent_tier,
+  placement,
+  policies,
+  restore_plan,
+)
 from emergency_ckpt import shards as shards_lib
 from emergency_ckpt.errors import (
   CollectiveTimeoutError,
@@ -45,6 +53,7 @@ from emergency_ckpt.storage import atomic_write
 from emergency_ckpt.telemetry import EventLog
 from emergency_ckpt.topology import (
   Collectives,
+  host_identity,
   init_orbax_multihost,
   peer_host,
   reached_preemption,
@@ -143,6 +152,9 @@ class CheckpointManager:
       log_path = log_path.replace("{process}", str(topo.process_index))
     self._events = EventLog(log_path, process=topo.process_index, slice=topo.slice_index)
     self._info: dict[int, dict] = {}
+    self._host = host_identity(options.host_id)
+    self._placement_problem: str | None = None
+    self._placement_checked = False
     self._closed = False
     if topo.is_primary_process:
       root.mkdir(parents=True, exist_ok=True)
@@ -177,6 +189,15 @@ class CheckpointManager:
   @property
   def topology(self):
     return self._topology
+
+  @property
+  def placement_problem(self) -> str | None:
+    """None if no machine runs processes of two slices (or before the first
+    restore() / all_steps(), whose exchange carries each process's host id);
+    else what is shared and how to fix it (also logged as a warning by the
+    primary process, and recorded in the event log). The same on every
+    process."""
+    return self._placement_problem
 
   @property
   def local_directory(self) -> str:
@@ -581,9 +602,25 @@ class CheckpointManager:
       local_rejected=rejected,
       persistent_steps=tuple(self._persistent.steps()) if topo.is_primary_process else None,
       state_steps=tuple(self._state.committed_steps()) if topo.is_primary_process else None,
+      host=self._host,
     )
     got = self._collectives.exchange(name, inv.to_json())
-    return [restore_plan.Inventory.from_json(got[p]) for p in sorted(got)]
+    invs = [restore_plan.Inventory.from_json(got[p]) for p in sorted(got)]
+    if not self._placement_checked:
+      self._check_placement(invs)
+    return invs
+
+  def _check_placement(self, invs: list[restore_plan.Inventory]) -> None:
+    """Once per manager: does any machine run processes of two slices?"""
+    self._placement_checked = True
+    shared = placement.shared_hosts(
+      {inv.process: inv.host for inv in invs}, self._topology.slice_processes
+    )
+    self._placement_problem = placement.describe(shared)
+    if self._placement_problem and self._topology.is_primary_process:
+      self._events.record(
+        "placement", hosts=len({inv.host for inv in invs}), error=self._placement_problem
+      )
 
   def all_steps(self) -> list[int]:
     """Restorable steps by markers, oldest first. Called by: every process

@@ -164,6 +164,14 @@ class CheckpointManagerOptions:
   that routes to the JAX coordinator (right for one-NIC hosts; name the
   host's data-network address when it has several)."""
 
+  host_id: str | None = None
+  """The machine (failure domain) this process runs on, for the check that
+  no machine holds processes of two slices (their local copies would then be
+  lost together; see placement.py). None: the kernel's boot id, which every
+  process and container on one machine shares (hostname where there is
+  none). Set it where that is wrong, e.g. one id per simulated host when a
+  test runs several "hosts" on one machine."""
+
   collective_timeout_s: float = 300.0
   """Longest wait for other processes in an exchange (restore agreement,
   latest_step). On timeout the error names the missing processes."""
@@ -231,6 +239,10 @@ class CheckpointManagerOptions:
     _require(
       self.peer_host is None or (isinstance(self.peer_host, str) and bool(self.peer_host.strip())),
       f"peer_host must be a host name or address, or None, got {self.peer_host!r}.",
+    )
+    _require(
+      self.host_id is None or (isinstance(self.host_id, str) and bool(self.host_id.strip())),
+      f"host_id must be a non-empty string or None (the machine's boot id), got {self.host_id!r}.",
     )
     for name in ("collective_timeout_s", "state_commit_timeout_s"):
       value = getattr(self, name)

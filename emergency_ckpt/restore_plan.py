@@ -28,6 +28,8 @@ class Inventory:
   local_rejected: Mapping[int, str] = dataclasses.field(default_factory=dict)
   persistent_steps: tuple[int, ...] | None = None
   state_steps: tuple[int, ...] | None = None
+  host: str | None = None
+  """The machine the process runs on (topology.host_identity)."""
 
   def to_json(self) -> dict[str, Any]:
     return {
@@ -37,6 +39,7 @@ class Inventory:
       "local_rejected": {str(k): v for k, v in self.local_rejected.items()},
       "persistent_steps": None if self.persistent_steps is None else list(self.persistent_steps),
       "state_steps": None if self.state_steps is None else list(self.state_steps),
+      "host": self.host,
     }
 
   @classmethod
@@ -49,6 +52,7 @@ class Inventory:
       local_rejected={int(k): v for k, v in d.get("local_rejected", {}).items()},
       persistent_steps=opt(d.get("persistent_steps")),
       state_steps=opt(d.get("state_steps")),
+      host=d.get("host"),
     )
 
 

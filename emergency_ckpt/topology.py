@@ -319,6 +319,22 @@ def peer_host(override: str | None) -> str | None:
     return None
 
 
+def host_identity(override: str | None = None) -> str:
+  """The machine this process runs on: `override`, else the kernel's boot id
+  (shared by every process and container on one machine, new at each boot),
+  else the hostname. Called by: any process."""
+  if override:
+    return override
+  try:
+    with open("/proc/sys/kernel/random/boot_id") as f:
+      boot_id = f.read().strip()
+    if boot_id:
+      return f"{socket.gethostname()}/boot:{boot_id[:8]}"
+  except OSError:
+    pass
+  return socket.gethostname()
+
+
 def job_key() -> str | None:
   """A short id shared by the processes of this job and no other (a digest
   of the coordinator's address and the process count), or None in a

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import time
+
+import jax
 
 import emergency_ckpt as ec
 from tests.scenarios import abstract_state, data_state, make_state, mesh_for, mismatches, options
@@ -106,4 +109,25 @@ def local_retention_after_commit(args: dict) -> dict:
       listing = _local_listing(mngr.local_directory)
     out["local_steps"] = listing
     out["all_steps"] = mngr.all_steps()
+  return out
+
+
+def placement_job(args: dict) -> dict:
+  """Two managers in turn: default host ids (this machine's, shared by
+  every process), then one named host per process."""
+  mesh = mesh_for(args["slices"])
+  events = args["events"].replace("{process}", str(jax.process_index()))
+  out: dict = {}
+  opts = dataclasses.replace(options(args), event_log=args["events"])
+  with ec.CheckpointManager(opts, mesh=mesh) as mngr:
+    assert mngr.placement_problem is None  # not known before the first exchange
+    mngr.all_steps()
+    out["same_machine"] = mngr.placement_problem
+    mngr.all_steps()  # checked once
+  with open(events) as f:
+    out["placement_events"] = sum(json.loads(line)["event"] == "placement" for line in f)
+  named = dataclasses.replace(options(args), host_id=f"sim-host-{jax.process_index()}")
+  with ec.CheckpointManager(named, mesh=mesh) as mngr:
+    mngr.all_steps()
+    out["named_hosts"] = mngr.placement_problem
   return out

@@ -148,6 +148,8 @@ INVALID = [
   ("peer_transport_none", lambda: manager(peer_transport=None), "peer_transport"),
   ("peer_host_empty", lambda: manager(peer_host=" "), "peer_host"),
   ("peer_host_not_str", lambda: manager(peer_host=10), "peer_host"),
+  ("host_id_empty", lambda: manager(host_id=""), "host_id"),
+  ("host_id_not_str", lambda: manager(host_id=3), "host_id"),
 ]
 
 

@@ -1,0 +1,49 @@
+"""Replica placement: do the slices' copies sit on different machines?
+
+A slice's local copies protect against losing a machine only if no machine
+holds processes of two slices: losing it then loses both copies of the shards
+those slices share, and the restore that a peer should have served falls
+back to the persistent tier. Pure functions; the host ids come from
+topology.host_identity(), exchanged in restore's inventory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+
+def shared_hosts(
+  hosts: Mapping[int, str | None], slice_processes: Sequence[Sequence[int]]
+) -> dict[str, dict[int, tuple[int, ...]]]:
+  """{host: {slice: its processes on that host}} for every host that runs
+  processes of two or more slices. Processes with no known host (None) are
+  left out. Single-slice jobs have nothing to share."""
+  by_host: dict[str, dict[int, list[int]]] = {}
+  for s, procs in enumerate(slice_processes):
+    for p in procs:
+      host = hosts.get(p)
+      if host is not None:
+        by_host.setdefault(host, {}).setdefault(s, []).append(p)
+  return {
+    host: {s: tuple(sorted(ps)) for s, ps in sorted(slices.items())}
+    for host, slices in sorted(by_host.items())
+    if len(slices) > 1
+  }
+
+
+def describe(shared: Mapping[str, Mapping[int, Sequence[int]]]) -> str | None:
+  """What is wrong and how to fix it, or None if nothing is shared."""
+  if not shared:
+    return None
+  parts = []
+  for host, slices in shared.items():
+    on = ", ".join(f"slice {s} (processes {list(ps)})" for s, ps in slices.items())
+    parts.append(f"host {host!r} runs {on}")
+  return (
+    "; ".join(parts) + ". Losing such a host loses every local copy of the shards"
+    " these slices hold, so a peer cannot serve them and the restore falls back to"
+    " the persistent tier. Put each replica-axis entry on other hosts (e.g. reshape"
+    " jax.devices() to (num_hosts, devices_per_host) when process ids are contiguous"
+    " per host), or set host_id if processes of one machine are separate failure"
+    " domains."
+  )
