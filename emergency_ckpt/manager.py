@@ -812,6 +812,7 @@ class CheckpointManager:
           lost=lost,
           host=peer_host(self._options.peer_host) if mine is not None else None,
           timeout_s=self._options.collective_timeout_s,
+          ports=self._options.peer_port_range,
         )
       else:
         arrays = peer.transfer(

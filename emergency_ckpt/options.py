@@ -32,6 +32,26 @@ def _optional_positive_int(value, name: str) -> None:
     _positive_int(value, name)
 
 
+def parse_port_range(value, name: str = "peer_ports") -> tuple[int, int] | None:
+  """None, a port (50000 or "50000") or an inclusive range ("50000-50099")
+  -> (low, high) or None. Raises InvalidOptionsError naming `name`."""
+  if value is None:
+    return None
+  if isinstance(value, bool) or not isinstance(value, (int, str)):
+    text = ""  # refused below
+  else:
+    text = str(value).strip()
+  low, sep, high = text.partition("-")
+  ok = low.strip().isdigit() and (not sep or high.strip().isdigit())
+  lo, hi = (int(low), int(high if sep else low)) if ok else (0, 0)
+  _require(
+    ok and 1 <= lo <= hi <= 65535,
+    f"{name} must be a port or an inclusive range 'LOW-HIGH' within 1-65535"
+    f" (e.g. '50000-50099'), got {value!r}.",
+  )
+  return lo, hi
+
+
 BEST_MODES = ("min", "max")
 PEER_TRANSPORTS = ("stream", "collective")
 
@@ -172,6 +192,13 @@ class CheckpointManagerOptions:
   none). Set it where that is wrong, e.g. one id per simulated host when a
   test runs several "hosts" on one machine."""
 
+  peer_ports: str | int | None = None
+  """Ports a "stream" sender may listen on: one port, or an inclusive range
+  "LOW-HIGH" (e.g. "50000-50099") that holds at least as many ports as
+  processes share one host. None: any free port the kernel picks. Set it
+  where hosts open only some ports to each other; a sender that finds no
+  free port in it cannot serve, and the restore falls back to persistent."""
+
   collective_timeout_s: float = 300.0
   """Longest wait for other processes in an exchange (restore agreement,
   latest_step). On timeout the error names the missing processes."""
@@ -240,6 +267,7 @@ class CheckpointManagerOptions:
       self.peer_host is None or (isinstance(self.peer_host, str) and bool(self.peer_host.strip())),
       f"peer_host must be a host name or address, or None, got {self.peer_host!r}.",
     )
+    parse_port_range(self.peer_ports)
     _require(
       self.host_id is None or (isinstance(self.host_id, str) and bool(self.host_id.strip())),
       f"host_id must be a non-empty string or None (the machine's boot id), got {self.host_id!r}.",
@@ -264,6 +292,11 @@ class CheckpointManagerOptions:
       best_metric=self.best_metric,
       best_mode=self.best_mode,
     )
+
+  @property
+  def peer_port_range(self) -> tuple[int, int] | None:
+    """peer_ports as (low, high), inclusive; None: any port."""
+    return parse_port_range(self.peer_ports)
 
   @property
   def effective_run_id(self) -> str:

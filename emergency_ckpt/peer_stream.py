@@ -18,7 +18,8 @@ networks where hosts cannot open ports to each other.
 
 Security: every process of an intact slice listens during the transfer only,
 on one address (the interface that routes to the JAX coordinator, or
-CheckpointManagerOptions.peer_host), and serves only a client that presents
+CheckpointManagerOptions.peer_host) and a port the kernel picks (or the first
+free one of CheckpointManagerOptions.peer_ports), and serves only a client that presents
 the 256-bit token it published for this transfer through the JAX
 coordination service (the job's own channel). Nothing here unpickles or runs
 anything it receives: requests are JSON, replies are raw bytes.
@@ -35,6 +36,7 @@ its shards, or one failed.
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import hmac
 import json
 import logging
@@ -125,7 +127,14 @@ class Server:
   present its token, until close(). Per process; no collective."""
 
   def __init__(
-    self, host: str, local: LocalStep, paths: Sequence[str], *, timeout_s: float, log_prefix: str
+    self,
+    host: str,
+    local: LocalStep,
+    paths: Sequence[str],
+    *,
+    timeout_s: float,
+    log_prefix: str,
+    ports: tuple[int, int] | None = None,
   ):
     self._timeout_s = timeout_s
     self._prefix = log_prefix
@@ -142,15 +151,7 @@ class Server:
         raw = arr.reshape(-1).view(np.uint8)
         self._shards[(leaf_no, index)] = (raw, records[(path, index)])
     self._paths = list(paths)
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    self._sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-      self._sock.bind((host, 0))
-      self._sock.listen(64)
-      self._sock.settimeout(0.05)
-    except BaseException:
-      self._sock.close()
-      raise
+    self._sock = _listen(host, ports)
     self.host = host
     self.port = self._sock.getsockname()[1]
     self._stop = threading.Event()
@@ -213,6 +214,30 @@ class Server:
     self._stop.set()
     self._sock.close()
     self._thread.join()
+
+
+def _listen(host: str, ports: tuple[int, int] | None) -> socket.socket:
+  """A listening socket on `host`: any port (None), else the first free port
+  of the inclusive range `ports`. Raises OSError naming the range when every
+  port of it is taken."""
+  family = socket.AF_INET6 if ":" in host else socket.AF_INET
+  candidates = [0] if ports is None else range(ports[0], ports[1] + 1)
+  for port in candidates:
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+      sock.bind((host, port))
+      sock.listen(64)
+      sock.settimeout(0.05)
+      return sock
+    except OSError as e:
+      sock.close()
+      if ports is None or e.errno not in (errno.EADDRINUSE, errno.EACCES):
+        raise
+  raise OSError(
+    errno.EADDRINUSE,
+    f"no free port in peer_ports {ports[0]}-{ports[1]} on {host}: every process of"
+    " a host that serves needs one; widen the range",
+  )
 
 
 def pull(
@@ -298,6 +323,7 @@ def transfer(
   lost: Sequence[int],
   host: str | None,
   timeout_s: float,
+  ports: tuple[int, int] | None = None,
 ) -> list:
   """Returns the step's arrays on every process: processes of intact slices
   keep `local` (their verified shards) and serve them; processes of `lost`
@@ -309,7 +335,9 @@ def transfer(
     try:
       if host is None:
         raise OSError("no address: set peer_host (see CheckpointManagerOptions)")
-      server = Server(host, local, paths, timeout_s=timeout_s, log_prefix=topology.log_prefix())
+      server = Server(
+        host, local, paths, timeout_s=timeout_s, log_prefix=topology.log_prefix(), ports=ports
+      )
       offer = server.offer()
     except OSError as e:
       offer = {"error": f"cannot listen on {host!r}: {e}"}

@@ -118,6 +118,7 @@ def options(args: dict) -> ec.CheckpointManagerOptions:
     run_id=args.get("run_id", "test-run"),
     collective_timeout_s=args.get("collective_timeout_s", 60),
     peer_transport=args.get("peer_transport", "stream"),
+    peer_ports=args.get("peer_ports"),
     state_commit_timeout_s=args.get("state_commit_timeout_s", 30),
   )
 

@@ -163,3 +163,29 @@ def test_reshard_restore_from_persistent_onto_another_topology(shm_dir):
     assert (rec["step"], rec["source"]) == (4, "persistent"), (process, rec)
     assert rec["mismatches"] == []
     assert rec["data_state"] == rec["expected_data_state"]  # same process count
+
+
+def test_peer_ports_bound_the_senders_and_a_full_range_falls_back_to_persistent(shm_dir):
+  """peer_ports with free ports: the wiped slice restores from its peer. A
+  range of one port that something else holds: no sender can listen, every
+  process falls back together, and step 4 comes from the persistent tier."""
+  import socket  # noqa: PLC0415
+
+  from tests.test_peer_stream import _free_port_run  # noqa: PLC0415
+
+  args = _args(shm_dir, 2)
+  run_job("tests.scenarios:save_steps", 4, args).check()
+  low = _free_port_run(16)
+  with socket.socket() as busy:
+    busy.bind(("127.0.0.1", low))  # bound, not listening: still "in use" to a bind
+    args["variants"] = [
+      {"name": "range", "wipe_slices": [1], "args": {"peer_ports": f"{low + 1}-{low + 15}"}},
+      {"name": "full", "wipe_slices": [1], "args": {"peer_ports": str(low)}},
+    ]
+    results = run_job("tests.scenarios:restore_variants", 4, args).check()
+  for process, (ranged, full) in enumerate(results):
+    for rec in (ranged, full):
+      assert "error" not in rec, rec.get("message")
+      assert rec["mismatches"] == [] and rec["data_state"] == rec["expected_data_state"], rec
+    assert (ranged["step"], ranged["source"]) == (4, "peer" if process >= 2 else "local")
+    assert (full["step"], full["source"]) == (4, "persistent"), results

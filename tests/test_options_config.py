@@ -149,6 +149,13 @@ INVALID = [
   ("peer_host_empty", lambda: manager(peer_host=" "), "peer_host"),
   ("peer_host_not_str", lambda: manager(peer_host=10), "peer_host"),
   ("host_id_empty", lambda: manager(host_id=""), "host_id"),
+  ("peer_ports_word", lambda: manager(peer_ports="fast"), "peer_ports"),
+  ("peer_ports_zero", lambda: manager(peer_ports=0), "peer_ports"),
+  ("peer_ports_too_high", lambda: manager(peer_ports="65000-70000"), "peer_ports"),
+  ("peer_ports_reversed", lambda: manager(peer_ports="50010-50000"), "peer_ports"),
+  ("peer_ports_open_end", lambda: manager(peer_ports="50000-"), "peer_ports"),
+  ("peer_ports_bool", lambda: manager(peer_ports=True), "peer_ports"),
+  ("peer_ports_float", lambda: manager(peer_ports=5.0e4), "peer_ports"),
   ("host_id_not_str", lambda: manager(host_id=3), "host_id"),
 ]
 
@@ -436,3 +443,25 @@ def test_field_docs_of_a_nested_class():
     """The x."""
 
   assert field_docs(Inner) == {"x": "The x."}
+
+
+@pytest.mark.parametrize(
+  "value, want",
+  [
+    (None, None),
+    (50000, (50000, 50000)),
+    ("50000", (50000, 50000)),
+    (" 50000-50099 ", (50000, 50099)),
+  ],
+)
+def test_peer_ports_parse(value, want):
+  assert manager(peer_ports=value).peer_port_range == want
+
+
+def test_peer_ports_from_yaml_and_override(tmp_path):
+  path = tmp_path / "c.yaml"
+  path.write_text(
+    "local: {directory: /dev/shm/x}\npersistent: {directory: /tmp/p}\npeer_ports: 50000-50007\n"
+  )
+  assert load_config(path).peer_port_range == (50000, 50007)
+  assert load_config(path, ["peer_ports=6000"]).peer_port_range == (6000, 6000)

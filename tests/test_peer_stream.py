@@ -230,3 +230,51 @@ def test_a_malformed_request_is_refused_without_killing_the_server(served):
     assert got == b""
   items, nbytes = _items(arrays)  # the server still serves a good request
   peer_stream.pull(server.offer(), 0, 7, items, paths, np.zeros(nbytes, np.uint8), timeout_s=10)
+
+
+def _free_port_run(n: int) -> int:
+  """The first of `n` consecutive ports that are free on 127.0.0.1 now."""
+  for start in range(42000, 60000, n + 7):
+    socks = []
+    try:
+      for port in range(start, start + n):
+        s = socket.socket()
+        socks.append(s)
+        s.bind(("127.0.0.1", port))
+      return start
+    except OSError:
+      continue
+    finally:
+      for s in socks:
+        s.close()
+  raise RuntimeError("no free port run")
+
+
+def test_the_server_listens_within_peer_ports_and_skips_a_busy_port():
+  local, paths, arrays = _local()
+  low = _free_port_run(3)
+  with socket.socket() as busy:
+    busy.bind(("127.0.0.1", low))
+    busy.listen(1)
+    server = peer_stream.Server(
+      "127.0.0.1", local, paths, timeout_s=10, log_prefix="[t]", ports=(low, low + 2)
+    )
+    try:
+      assert server.port == low + 1
+      items, nbytes = _items(arrays)
+      buffer = np.zeros(nbytes, np.uint8)
+      peer_stream.pull(server.offer(), 0, 7, items, paths, buffer, timeout_s=10)
+    finally:
+      server.close()
+
+
+def test_a_full_peer_ports_range_names_the_option():
+  local, paths, _ = _local()
+  low = _free_port_run(1)
+  with socket.socket() as busy:
+    busy.bind(("127.0.0.1", low))
+    busy.listen(1)
+    with pytest.raises(OSError, match=f"no free port in peer_ports {low}-{low}"):
+      peer_stream.Server(
+        "127.0.0.1", local, paths, timeout_s=10, log_prefix="[t]", ports=(low, low)
+      )
