@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import socket
 
@@ -250,31 +251,33 @@ def _free_port_run(n: int) -> int:
   raise RuntimeError("no free port run")
 
 
+@contextlib.contextmanager
+def _held(port: int):
+  """Something else listens on 127.0.0.1:`port` meanwhile."""
+  with socket.socket() as busy:
+    busy.bind(("127.0.0.1", port))
+    busy.listen(1)
+    yield
+
+
 def test_the_server_listens_within_peer_ports_and_skips_a_busy_port():
   local, paths, arrays = _local()
   low = _free_port_run(3)
-  with socket.socket() as busy:
-    busy.bind(("127.0.0.1", low))
-    busy.listen(1)
+  with _held(low):
     server = peer_stream.Server(
       "127.0.0.1", local, paths, timeout_s=10, log_prefix="[t]", ports=(low, low + 2)
     )
-    try:
-      assert server.port == low + 1
-      items, nbytes = _items(arrays)
-      buffer = np.zeros(nbytes, np.uint8)
-      peer_stream.pull(server.offer(), 0, 7, items, paths, buffer, timeout_s=10)
-    finally:
-      server.close()
+  try:
+    assert server.port == low + 1
+    items, nbytes = _items(arrays)
+    buffer = np.zeros(nbytes, np.uint8)
+    peer_stream.pull(server.offer(), 0, 7, items, paths, buffer, timeout_s=10)
+  finally:
+    server.close()
 
 
 def test_a_full_peer_ports_range_names_the_option():
   local, paths, _ = _local()
   low = _free_port_run(1)
-  with socket.socket() as busy:
-    busy.bind(("127.0.0.1", low))
-    busy.listen(1)
-    with pytest.raises(OSError, match=f"no free port in peer_ports {low}-{low}"):
-      peer_stream.Server(
-        "127.0.0.1", local, paths, timeout_s=10, log_prefix="[t]", ports=(low, low)
-      )
+  with _held(low), pytest.raises(OSError, match=f"no free port in peer_ports {low}-{low}"):
+    peer_stream.Server("127.0.0.1", local, paths, timeout_s=10, log_prefix="[t]", ports=(low, low))
