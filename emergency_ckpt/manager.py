@@ -339,7 +339,12 @@ class CheckpointManager:
     self._durable(result.step, "local", result.nbytes, result.error)
     self._queue_state(result.step, data_state)
     if result.ok:  # off the write thread: deleting old steps is not this save's durability
-      self._track(self._retainer.submit(self._apply_local_retention))
+      self._track(self._retainer.submit(self._retain_after_write, result.step))
+
+  def _retain_after_write(self, step: int) -> None:
+    self._apply_local_retention()
+    if not self._topology.is_primary_process:
+      self._watch_commit(step)  # only if a step still waits for a commit
 
   def _queue_state(self, step: int, data_state: dict | None) -> None:
     def write_state() -> None:
@@ -349,8 +354,6 @@ class CheckpointManager:
         self._durable(step, "state", None, f"{type(e).__name__}: {e}")
         raise
       self._durable(step, "state", None)
-      if not self._topology.is_primary_process:
-        self._watch_commit(step)
 
     write = self._state_writer.submit(write_state)
     self._track(write)
@@ -384,13 +387,14 @@ class CheckpointManager:
       pass
 
   def _watch_commit(self, step: int) -> None:
-    """Non-primary processes, after writing their JSON of `step`: once the
-    primary signals that `step` committed, local retention runs again (it
-    reads the markers; the signal only says when to look). Without it, a
-    step that only this commit makes droppable stays on the ramdisk until
-    the next local write: with max_to_keep=1, two copies between saves. A
-    newer step's watch (or close) ends this one. Not tracked: a commit that
-    never comes costs nothing but this thread's wait."""
+    """Non-primary processes, after the retention pass that follows their
+    local write of `step`: if they still hold more than max_to_keep steps,
+    local retention runs again once the primary signals that `step`
+    committed (it reads the markers; the signal only says when to look).
+    Without it, a step that only this commit makes droppable stays on the
+    ramdisk until the next local write: with max_to_keep=1, two copies
+    between saves. A newer step's watch (or close) ends this one. Not
+    tracked: a commit that never comes costs nothing but this thread's wait."""
     if not self._local_over_budget():
       return
     stop = threading.Event()
