@@ -321,15 +321,15 @@ def peer_host(override: str | None) -> str | None:
 
 def host_identity(override: str | None = None) -> str:
   """The machine this process runs on: `override`, else the kernel's boot id
-  (shared by every process and container on one machine, new at each boot),
-  else the hostname. Called by: any process."""
+  (shared by every process and container on one machine, whatever their
+  hostnames; new at each boot), else the hostname. Called by: any process."""
   if override:
     return override
   try:
     with open("/proc/sys/kernel/random/boot_id") as f:
       boot_id = f.read().strip()
     if boot_id:
-      return f"{socket.gethostname()}/boot:{boot_id[:8]}"
+      return f"boot:{boot_id}"  # whole: thousands of hosts must not collide
   except OSError:
     pass
   return socket.gethostname()
