@@ -63,6 +63,13 @@ class StorageError(EmergencyCheckpointError, OSError):
   """Raised when the persistent storage fails permanently (names bucket and op)."""
 
 
+class StorageNotFoundError(StorageError, FileNotFoundError):
+  """Raised when an object that must exist is absent (names bucket and operation).
+
+  A FileNotFoundError too, so callers that treat absence as data (a missing
+  JSON is a corrupt step) keep working."""
+
+
 class ProtectedStepError(StepError):
   """delete() refused: the step is the only restorable one (pass force=True)."""
 

@@ -1,6 +1,7 @@
 """Non-tensor state: one JSON file per process per step, and a COMMIT marker.
 
-Layout (on the persistent directory, so it survives losing any ramdisk):
+Layout (under the persistent directory's state/, so it survives losing any
+ramdisk; names in layout.py):
   <root>/<step>/process_<i>-of-<n>.json   {"data_state": ..., "crc32": ...}
   <root>/<step>/COMMIT                    written by the primary process last
 
@@ -22,18 +23,12 @@ from typing import Any
 
 from etils import epath
 
-from emergency_ckpt import failpoints, storage
+from emergency_ckpt import failpoints, layout, storage
 from emergency_ckpt.errors import CorruptCheckpointError, DataStateError, StorageError
-from emergency_ckpt.storage import atomic_write
 
 logger = logging.getLogger("emergency_ckpt")
 
 FORMAT = "emergency_ckpt.state/1"
-COMMIT = "COMMIT"
-
-
-def file_name(process: int, count: int) -> str:
-  return f"process_{process}-of-{count}.json"
 
 
 def _find_bad(value: Any, where: str) -> str | None:
@@ -127,7 +122,7 @@ class StateStore:
     self._n = process_count
 
   def step_dir(self, step: int) -> epath.Path:
-    return self.root / str(step)
+    return layout.state_step_dir(self.root, step)
 
   def write(self, step: int, data_state: dict | None) -> None:
     """Writes this process's file for `step`. Called by: every process."""
@@ -142,13 +137,13 @@ class StateStore:
       "data_state": data_state,
       "crc32": zlib.crc32(_canonical(data_state)),
     }
-    atomic_write(d / file_name(self._me, self._n), json.dumps(doc).encode())
+    storage.write_bytes(d / layout.state_file_name(self._me, self._n), json.dumps(doc).encode())
 
   def missing(self, step: int, count: int | None = None) -> list[int]:
     """Processes whose file for `step` is absent (one listing)."""
     count = self._n if count is None else count
     present = set(storage.list_names(self.step_dir(step)))  # fresh: others write here
-    return [p for p in range(count) if file_name(p, count) not in present]
+    return [p for p in range(count) if layout.state_file_name(p, count) not in present]
 
   def commit(
     self,
@@ -185,51 +180,63 @@ class StateStore:
       "format": FORMAT,
       "step": step,
       "process_count": self._n,
-      "files": [file_name(p, self._n) for p in range(self._n)],
+      "files": [layout.state_file_name(p, self._n) for p in range(self._n)],
       "committed_at": time.time(),
       "metrics": metrics or {},
       "info": info or {},
     }
-    atomic_write(self.step_dir(step) / COMMIT, json.dumps(marker).encode())
+    storage.write_bytes(self.step_dir(step) / layout.COMMIT_FILE, json.dumps(marker).encode())
     return True
 
-  def _marker(self, step: int) -> dict | None:
+  def record(self, step: int) -> dict | None:
+    """The COMMIT record of `step` (process_count, files, metrics, info,
+    committed_at), or None if it has no valid COMMIT (its files may still
+    be missing: see is_committed). An unreachable bucket raises StorageError."""
     try:
-      doc = json.loads(storage.read_bytes(self.step_dir(step) / COMMIT))
-      return doc if doc.get("format") == FORMAT and doc.get("step") == step else None
+      doc = json.loads(storage.read_bytes(self.step_dir(step) / layout.COMMIT_FILE))
     except FileNotFoundError:
       return None
     except StorageError:
       raise  # an unreachable bucket is not "uncommitted"
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError):
       return None
-
-  def record(self, step: int) -> dict | None:
-    """The COMMIT record of `step` (metrics, info, committed_at), or None if
-    the step has no valid COMMIT."""
-    return self._marker(step)
+    if not isinstance(doc, dict):
+      return None
+    count = doc.get("process_count")
+    valid = (
+      doc.get("format") == FORMAT
+      and doc.get("step") == step
+      and isinstance(count, int)
+      and not isinstance(count, bool)
+      and count >= 1
+    )
+    return doc if valid else None
 
   def saved_process_count(self, step: int) -> int | None:
     """How many processes saved `step` (from its COMMIT), or None if uncommitted."""
-    marker = self._marker(step)
+    marker = self.record(step)
     return None if marker is None else marker["process_count"]
 
   def listed_steps(self) -> list[int]:
-    return sorted(int(n) for n in storage.list_names(self.root) if n.isdigit())
+    """Every step folder, committed or not, oldest first (other names ignored)."""
+    return layout.steps_of_names(storage.list_names(self.root))
+
+  def committed_records(self) -> dict[int, dict]:
+    """{step: COMMIT record} of the committed steps, oldest first: COMMIT
+    valid and every file it lists present."""
+    out = {}
+    for step in self.listed_steps():
+      marker = self.record(step)
+      if marker is not None and not self.missing(step, marker["process_count"]):
+        out[step] = marker
+    return out
 
   def committed_steps(self) -> list[int]:
     """Steps whose COMMIT exists and lists files that are all present."""
-    out = []
-    for step in self.listed_steps():
-      marker = self._marker(step)
-      if marker is None:
-        continue
-      if not self.missing(step, marker["process_count"]):
-        out.append(step)
-    return out
+    return list(self.committed_records())
 
   def is_committed(self, step: int) -> bool:
-    marker = self._marker(step)
+    marker = self.record(step)
     return marker is not None and not self.missing(step, marker["process_count"])
 
   def read(self, step: int, process: int | None = None, count: int | None = None) -> dict | None:
@@ -239,7 +246,7 @@ class StateStore:
     """
     process = self._me if process is None else process
     count = self._n if count is None else count
-    path = self.step_dir(step) / file_name(process, count)
+    path = self.step_dir(step) / layout.state_file_name(process, count)
     try:
       doc = json.loads(storage.read_bytes(path))
       data_state = doc["data_state"]
@@ -261,5 +268,5 @@ class StateStore:
   def delete(self, step: int) -> None:
     """Removes a step's state, COMMIT first. Called by: the primary process."""
     d = self.step_dir(step)
-    storage.unlink(d / COMMIT)
+    storage.unlink(d / layout.COMMIT_FILE)
     storage.rmtree(d)

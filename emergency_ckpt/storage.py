@@ -49,7 +49,7 @@ from typing import TypeVar
 
 from etils import epath
 
-from emergency_ckpt.errors import StorageError
+from emergency_ckpt.errors import StorageError, StorageNotFoundError
 
 logger = logging.getLogger("emergency_ckpt")
 
@@ -57,13 +57,6 @@ T = TypeVar("T")
 
 TRANSIENT_HTTP = frozenset({408, 429, 500, 502, 503, 504})
 """HTTP statuses worth retrying (Google's retry strategy for Cloud Storage)."""
-
-
-class StorageNotFoundError(StorageError, FileNotFoundError):
-  """Raised when an object that must exist is absent (names bucket and operation).
-
-  A FileNotFoundError too, so callers that treat absence as data (a missing
-  JSON is a corrupt step) keep working."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -321,7 +314,7 @@ def write_bytes(path: epath.PathLike, data: bytes, *, policy: RetryPolicy | None
   os.replace(os.fspath(tmp), os.fspath(path))
 
 
-atomic_write = write_bytes  # the name the library used first
+atomic_write = write_bytes  # TODO(lead): wire manager.py to write_bytes, then drop this alias
 
 
 def read_bytes(path: epath.PathLike, *, policy: RetryPolicy | None = None) -> bytes:

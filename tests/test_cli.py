@@ -16,7 +16,7 @@ import zlib
 
 import pytest
 
-from emergency_ckpt import cli, local_tier
+from emergency_ckpt import cli, layout, local_tier
 from emergency_ckpt.state_store import StateStore
 from emergency_ckpt.telemetry import EventLog
 
@@ -342,6 +342,87 @@ def test_inspect_and_verify_local(tmp_path, capsys):
     f.write(b"\xff")
   assert cli.main(["verify", str(root), "--step", "20"]) == 1
   assert "fails its checksum" in capsys.readouterr().out
+
+
+def test_inspect_verify_gc_ignore_stray_names_alike(tmp_path, capsys):
+  """A stray `step_x` (inspect raised ValueError on it) and a stray
+  `process_y` are not part of the layout: inspect, verify and gc list the
+  same good steps and leave the strays alone."""
+  root = tmp_path / "local"
+  for s in (10, 20):
+    local_step(root, s)
+  os.makedirs(root / RUN / "process_0" / "step_x")
+  with open(root / RUN / "process_0" / "step_x" / "manifest.json", "w") as f:
+    f.write("{}")
+  os.makedirs(root / RUN / "process_y" / "step_5")
+  assert cli.main(["inspect", str(root), "--json"]) == 0
+  rows = json.loads(capsys.readouterr().out)
+  assert [(r["process"], r["step"], r["status"]) for r in rows] == [
+    ("process_0", 10, "ok"),
+    ("process_0", 20, "ok"),
+  ]
+  assert cli.main(["verify", str(root)]) == 0
+  assert "step_x" not in capsys.readouterr().out
+  doc = gc_json(capsys, root, "--keep", "1")
+  assert doc["rc"] == 0 and gone(doc, "local") == [10] and kept(doc, "local") == [20]
+  assert sorted(os.listdir(root / RUN / "process_0")) == ["step_20", "step_x"]
+  assert os.listdir(root / RUN / "process_y") == ["step_5"]
+
+
+def test_inspect_reports_a_step_folder_without_its_manifest(tmp_path, capsys):
+  root = tmp_path / "local"
+  local_step(root, 10)
+  os.makedirs(root / RUN / "process_0" / "step_20")  # no manifest: not a step
+  assert cli.main(["verify", str(root)]) == 1
+  out = capsys.readouterr().out
+  assert "no manifest.json" in out and "BAD" in out
+  doc = gc_json(capsys, root, "--keep", "0")
+  assert [r["step"] for r in doc["rows"]] == [10]  # gc ignores it, as restore does
+
+
+_NO_JAX = """
+import json, sys
+from emergency_ckpt.cli import main
+rc = main(sys.argv[1:])
+heavy = sorted(m for m in ("jax", "jaxlib", "orbax", "tensorstore") if m in sys.modules)
+print("EC_RESULT " + json.dumps({"rc": rc, "heavy": heavy}), file=sys.stderr)
+"""
+
+_COMMANDS = [
+  ["inspect", "{local}", "{pers}"],
+  ["verify", "{local}", "{pers}"],
+  ["gc", "{local}", "{pers}", "--keep", "1"],
+]
+
+
+@pytest.mark.parametrize("argv", _COMMANDS, ids=[c[0] for c in _COMMANDS])
+def test_folder_commands_import_neither_jax_nor_orbax(tmp_path, argv):
+  """gc, inspect and verify on local and persistent roots run in a fresh
+  interpreter without importing JAX, Orbax or tensorstore."""
+  import subprocess  # noqa: PLC0415
+
+  import emergency_ckpt  # noqa: PLC0415
+
+  root = tmp_path / "local"
+  for s in (10, 20, 30):
+    local_step(root, s)
+  os.makedirs(root / RUN / "process_0" / "step_x")
+  pers = persistent_root(tmp_path / "pers")
+  for s in (10, 20, 30):
+    tensor_step(pers, s)
+    state_step(pers, s)
+  argv = [a.format(local=root, pers=pers) for a in argv]
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(emergency_ckpt.__file__)))
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]))
+  proc = subprocess.run(
+    [sys.executable, "-c", _NO_JAX, *argv], env=env, capture_output=True, text=True, timeout=120
+  )
+  line = [ln for ln in proc.stderr.splitlines() if ln.startswith("EC_RESULT ")]
+  assert line, proc.stderr[-3000:]
+  assert json.loads(line[-1].removeprefix("EC_RESULT ")) == {"rc": 0, "heavy": []}
+  if argv[0] == "gc":
+    proc_dir = layout.process_dir(str(root), RUN, 0)
+    assert layout.list_local_steps(proc_dir) == [30] and tensor_steps(pers) == [30]
 
 
 def test_delete_step_dir(tmp_path):

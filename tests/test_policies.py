@@ -1,10 +1,10 @@
-"""Unit tests of save decisions and retention."""
+"""Unit tests of the save decision (retention: tests/test_retention.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from emergency_ckpt.policies import SaveDecision, decide_save, keep_latest
+from emergency_ckpt.policies import SaveDecision, decide_save
 
 
 @pytest.mark.parametrize(
@@ -43,31 +43,3 @@ def test_decide_save_none_is_not_any():
 def test_decide_save_keywords_only():
   with pytest.raises(TypeError):
     decide_save(10, 10, 100)  # type: ignore[misc]
-
-
-@pytest.mark.parametrize(
-  "steps,max_to_keep,protected,want",
-  [
-    ([1, 2, 3, 4, 5], 2, (), {4, 5}),
-    ([5, 1, 4, 2, 3], 3, (), {3, 4, 5}),
-    ([1, 2, 3], 1, (), {3}),
-    ([1, 2, 3], 10, (), {1, 2, 3}),
-    ([1, 2, 3], None, (), {1, 2, 3}),
-    ([], 2, (), set()),
-    ([], None, (7,), set()),
-    ([3, 3, 2, 2, 1], 2, (), {2, 3}),  # duplicates count once
-    ([10, 20, 30, 40], 2, (10,), {10, 30, 40}),  # protected kept beyond max_to_keep
-    ([10, 20, 30, 40], 2, (40,), {30, 40}),  # protected already among the newest
-    ([10, 20, 30, 40], 1, (10, 20), {10, 20, 40}),
-    ([10, 20, 30], 2, (99,), {20, 30}),  # protected not in steps is ignored
-    ([10, 20, 30], None, (5, 10), {10, 20, 30}),
-    ([10, 20, 30], 1, [15, 20], {20, 30}),
-  ],
-)
-def test_keep_latest(steps, max_to_keep, protected, want):
-  assert keep_latest(steps, max_to_keep, protected) == want
-
-
-def test_keep_latest_accepts_iterators():
-  assert keep_latest(iter([4, 8, 6]), 2, iter([4])) == {4, 6, 8}
-  assert keep_latest((s for s in [4, 8, 6]), 2) == {6, 8}

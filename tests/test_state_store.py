@@ -11,13 +11,10 @@ import pytest
 from etils import epath
 
 from emergency_ckpt.errors import CorruptCheckpointError, DataStateError
-from emergency_ckpt.state_store import (
-  COMMIT,
-  StateStore,
-  file_name,
-  validate_data_state,
-)
-from emergency_ckpt.storage import atomic_write
+from emergency_ckpt.layout import COMMIT_FILE as COMMIT
+from emergency_ckpt.layout import state_file_name as file_name
+from emergency_ckpt.state_store import StateStore, validate_data_state
+from emergency_ckpt.storage import write_bytes
 
 N = 3
 
@@ -88,8 +85,15 @@ def test_committed_steps_excludes_commit_with_deleted_file(tmp_path):
 
 @pytest.mark.parametrize(
   "marker",
-  [b"", b"{not json", json.dumps({"format": "other/1", "step": 20}).encode()],
-  ids=["empty", "garbage", "wrong_format"],
+  [
+    b"",
+    b"{not json",
+    b"[]",
+    json.dumps({"format": "other/1", "step": 20}).encode(),
+    json.dumps({"format": "emergency_ckpt.state/1", "step": 20}).encode(),
+    json.dumps({"format": "emergency_ckpt.state/1", "step": 20, "process_count": "3"}).encode(),
+  ],
+  ids=["empty", "garbage", "not_a_dict", "wrong_format", "no_count", "count_not_int"],
 )
 def test_committed_steps_excludes_bad_marker(tmp_path, marker):
   ss = save_step(tmp_path, 20)
@@ -106,9 +110,10 @@ def test_commit_copied_from_another_step_does_not_count(tmp_path):
 
 def test_listed_steps_ignores_other_names(tmp_path):
   ss = save_step(tmp_path, 3)
-  (tmp_path / "tmp").mkdir()
-  (tmp_path / "12abc").mkdir()
+  for name in ("tmp", "12abc", "007", "+4", "\u00b2", "\u0663"):  # "²", Arabic-Indic 3
+    (tmp_path / name).mkdir()
   assert ss[0].listed_steps() == [3]
+  assert ss[0].committed_steps() == [3]
   assert StateStore(tmp_path / "absent", process_index=0, process_count=1).committed_steps() == []
 
 
@@ -246,12 +251,26 @@ def test_delete_removes_step(tmp_path):
     ss[0].read(10)
 
 
-def test_atomic_write_leaves_no_temp_files(tmp_path):
+def test_write_bytes_leaves_no_temp_files(tmp_path):
   path = epath.Path(tmp_path) / "blob"
-  atomic_write(path, b"first")
-  atomic_write(path, b"second, longer")
+  write_bytes(path, b"first")
+  write_bytes(path, b"second, longer")
   assert path.read_bytes() == b"second, longer"
   assert os.listdir(tmp_path) == ["blob"]
   save_step(tmp_path / "store", 7)
   leftovers = [n for n in os.listdir(tmp_path / "store" / "7") if ".tmp" in n]
   assert leftovers == []
+
+
+def test_record_is_the_commit_record_and_committed_records_agree(tmp_path):
+  ss = stores(tmp_path)
+  for s in ss:
+    s.write(10, payload(s._me, 10))
+  assert ss[0].commit(10, timeout_s=1.0, metrics={"loss": 0.5}, info={"bytes": 7})
+  save_step(tmp_path, 20, commit=False)
+  record = ss[0].record(10)
+  assert record["metrics"] == {"loss": 0.5} and record["info"] == {"bytes": 7}
+  assert record["process_count"] == N and record["files"] == [file_name(p, N) for p in range(N)]
+  assert ss[0].record(20) is None and ss[0].record(99) is None
+  assert ss[0].committed_records() == {10: record}
+  assert ss[0].saved_process_count(10) == N and ss[0].saved_process_count(20) is None

@@ -11,21 +11,21 @@ from collections.abc import Callable
 from typing import Any
 
 
-def _isatty(stream) -> bool:
+def isatty(stream) -> bool:
   try:
     return bool(stream.isatty())
   except (AttributeError, ValueError):
     return False
 
 
-class _Style:
+class Style:
   """ANSI styles, only when `stream` (stdout) is a terminal and NO_COLOR is unset."""
 
   _CODES = {"bold": "1", "dim": "2", "red": "31", "green": "32", "yellow": "33"}
 
   def __init__(self, stream=None):
     stream = sys.stdout if stream is None else stream
-    self.on = _isatty(stream) and "NO_COLOR" not in os.environ and os.environ.get("TERM") != "dumb"
+    self.on = isatty(stream) and "NO_COLOR" not in os.environ and os.environ.get("TERM") != "dumb"
 
   def __call__(self, text: str, *styles: str) -> str:
     if not self.on or not styles:
@@ -33,15 +33,15 @@ class _Style:
     return f"\033[{';'.join(self._CODES[s] for s in styles)}m{text}\033[0m"
 
 
-def _grid(
+def grid(
   headers: list[str],
   rows: list[list[Any]],
-  style: _Style | None = None,
+  style: Style | None = None,
   color: Callable[[str, str], tuple[str, ...]] | None = None,
 ) -> str:
   """An aligned text table. `color(header, cell)` names styles for a cell
   (applied after padding, so alignment holds; only on a terminal)."""
-  style = style or _Style()
+  style = style or Style()
   cells = [["-" if v is None else str(v) for v in row] for row in rows]
   widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
   last = len(headers) - 1
@@ -59,7 +59,7 @@ def _grid(
   return "\n".join(line.rstrip() for line in lines)
 
 
-def _mib(nbytes: int | None) -> str:
+def mib(nbytes: int | None) -> str:
   if nbytes is None:
     return ""
   if nbytes < 1 << 20:
@@ -69,17 +69,17 @@ def _mib(nbytes: int | None) -> str:
   return f"{nbytes / (1 << 30):.2f} GiB"
 
 
-def _secs(value: float | None, digits: int = 3) -> str:
+def secs(value: float | None, digits: int = 3) -> str:
   return "-" if value is None else f"{value:.{digits}f}"
 
 
-class _Progress:
+class Progress:
   """Progress on stderr: on a terminal one status line rewritten in place;
   otherwise only permanent lines, plain (no escape or control codes)."""
 
   def __init__(self, stream=None):
     self.stream = sys.stderr if stream is None else stream
-    self.tty = _isatty(self.stream)
+    self.tty = isatty(self.stream)
     self._shown = 0
     self._lock = threading.Lock()
 
@@ -108,3 +108,7 @@ class _Progress:
         self.stream.write("\r" + " " * self._shown + "\r")
         self.stream.flush()
         self._shown = 0
+
+
+# TODO(lead): cli/bench.py and cli/report.py to import the public names, then drop these.
+_Style, _grid, _mib, _secs, _Progress = Style, grid, mib, secs, Progress

@@ -1,5 +1,7 @@
 """`emergency-ckpt inspect` and `verify`: scan local and persistent roots, one
-row per step, and (verify) check markers and checksums."""
+row per step, and (verify) check markers and checksums. No JAX: local roots
+through layout.walk_local and local_format, persistent roots through
+persistent_layout.scan."""
 
 from __future__ import annotations
 
@@ -11,82 +13,58 @@ from typing import Any
 
 from etils import epath
 
-from emergency_ckpt import local_tier, state_store
-
-
-def _is_persistent(root: epath.Path) -> bool:
-  return (root / "state").exists() or (root / "tensors").exists() or (root / "run.json").exists()
+from emergency_ckpt import layout, local_format, persistent_layout
+from emergency_ckpt.errors import CorruptCheckpointError
 
 
 def _local_steps(root: str) -> list[dict[str, Any]]:
-  """One row per (run, process, step) under a local root."""
+  """One row per step, unmarked step folder and .tmp-* folder under a local
+  root (layout.walk_local: names outside the layout are ignored)."""
   rows = []
-  for run in sorted(os.listdir(root)):
-    run_dir = os.path.join(root, run)
-    if not os.path.isdir(run_dir):
-      continue
-    for proc in sorted(os.listdir(run_dir)):
-      proc_dir = os.path.join(run_dir, proc)
-      if not proc.startswith("process_") or not os.path.isdir(proc_dir):
-        continue
-      for name in sorted(os.listdir(proc_dir)):
-        if name.startswith("step_"):
-          rows.append(
-            {
-              "tier": "local",
-              "run_id": run,
-              "process": proc,
-              "step": int(name[5:]),
-              "path": os.path.join(proc_dir, name),
-            }
-          )
-        elif name.startswith(".tmp-"):
-          rows.append(
-            {
-              "tier": "local",
-              "run_id": run,
-              "process": proc,
-              "step": None,
-              "path": os.path.join(proc_dir, name),
-              "status": "spare (a retired step's file, reused by the next save)"
-              if name.startswith(".tmp-spare-")
-              else "partial (ignored)",
-            }
-          )
+  for proc in layout.walk_local(root).processes:
+    where = {"tier": "local", "run_id": proc.run_id}
+    where["process"] = layout.process_dir_name(proc.process_index)
+    for step, path in sorted(proc.steps.items()):
+      rows.append({**where, "step": step, "path": path})
+    for step, path in sorted(proc.unmarked.items()):
+      problem = (
+        f"{path}: no {layout.MANIFEST_FILE}, so not a step (restore and gc ignore it):"
+        " a damaged copy; delete the folder"
+      )
+      rows.append({**where, "step": step, "path": path, "status": "BAD", "problems": [problem]})
+    for path in proc.tmp:
+      if layout.is_spare_name(os.path.basename(path)):
+        status = "spare (a retired step's file, reused by the next save)"
+      else:
+        status = "partial (ignored)"
+      rows.append({**where, "step": None, "path": path, "status": status})
   return rows
 
 
 def _persistent_steps(root: epath.Path) -> list[dict[str, Any]]:
-  from emergency_ckpt.persistent_tier import _ocp  # noqa: PLC0415 - heavy import
-
-  rows = []
-  tensors = root / "tensors"
-  finalized = set(_ocp().path.step.checkpoint_steps(tensors)) if tensors.exists() else set()
-  store = state_store.StateStore(root / "state", process_index=0, process_count=1)
-  committed = set(store.committed_steps())
-  for step in sorted(finalized | set(store.listed_steps())):
-    rows.append(
-      {
-        "tier": "persistent",
-        "step": step,
-        "tensors": "committed" if step in finalized else "absent",
-        "state": "committed" if step in committed else "uncommitted",
-        "path": str(root),
-      }
-    )
-  return rows
+  listing = persistent_layout.scan(root)
+  finalized, committed = set(listing.tensor_steps), listing.committed
+  return [
+    {
+      "tier": "persistent",
+      "step": step,
+      "tensors": "committed" if step in finalized else "absent",
+      "state": "committed" if step in committed else "uncommitted",
+      "path": str(root),
+    }
+    for step in sorted(finalized | set(listing.state_steps))
+  ]
 
 
 def _describe_local(row: dict[str, Any], check: bool) -> dict[str, Any]:
-  if row["step"] is None:
+  if row["step"] is None or "problems" in row:
     return row
   if check:
-    body, problems = local_tier.verify_step_dir(row["path"])
+    body, problems = local_format.verify_step_dir(row["path"])
   else:
     try:
-      with open(os.path.join(row["path"], "manifest.json"), "rb") as f:
-        body, problems = local_tier.decode_manifest(f.read(), row["path"]), []
-    except (OSError, local_tier.CorruptCheckpointError) as e:
+      body, problems = local_format.read_manifest(row["path"]), []
+    except (OSError, CorruptCheckpointError) as e:
       body, problems = None, [str(e)]
   row = dict(row, status="ok" if not problems else "BAD", problems=problems)
   if body:
@@ -103,7 +81,7 @@ def collect(dirs: list[str], *, check: bool) -> list[dict[str, Any]]:
   rows: list[dict[str, Any]] = []
   for d in dirs:
     root = epath.Path(d)
-    if _is_persistent(root):
+    if persistent_layout.looks_persistent(root):
       rows.extend(_persistent_steps(root))
     elif os.path.isdir(d):
       rows.extend(_describe_local(r, check) for r in _local_steps(d))
