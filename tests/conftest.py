@@ -23,14 +23,34 @@ def mesh():
 
 
 @pytest.fixture
-def shm_dir():
-  """A fresh directory on a real tmpfs (/dev/shm), removed afterwards."""
+def options(shm_dir):
+  """Manager options for a one-process job on `shm_dir`: local every 2nd step,
+  persistent every 4th."""
+  import emergency_ckpt as ec  # noqa: PLC0415
+
+  return ec.CheckpointManagerOptions(
+    local=ec.LocalTierOptions(directory=os.path.join(shm_dir, "local"), save_interval_steps=2),
+    persistent=ec.PersistentTierOptions(
+      directory=os.path.join(shm_dir, "persistent"), save_interval_steps=4
+    ),
+    run_id="single",
+  )
+
+
+def _fresh_shm_dir(prefix: str):
+  """Yields a fresh directory on a real tmpfs (/dev/shm if there is one), then removes it."""
   import shutil  # noqa: PLC0415
 
   base = "/dev/shm" if os.path.isdir("/dev/shm") else None
-  path = tempfile.mkdtemp(prefix="ectest-", dir=base)
+  path = tempfile.mkdtemp(prefix=prefix, dir=base)
   yield path
   shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def shm_dir():
+  """A fresh directory on a real tmpfs (/dev/shm), removed afterwards."""
+  yield from _fresh_shm_dir("ectest-")
 
 
 @pytest.fixture(scope="session")
@@ -82,9 +102,4 @@ def fault_matrix():
 @pytest.fixture(scope="module")
 def module_shm_dir():
   """Like shm_dir, shared by one module's tests (one set of jobs per module)."""
-  import shutil  # noqa: PLC0415
-
-  base = "/dev/shm" if os.path.isdir("/dev/shm") else None
-  path = tempfile.mkdtemp(prefix="ecfault-", dir=base)
-  yield path
-  shutil.rmtree(path, ignore_errors=True)
+  yield from _fresh_shm_dir("ecfault-")

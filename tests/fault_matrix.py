@@ -453,11 +453,12 @@ def check_restored(
   data_state (data_state="none": None expected)."""
   problems = []
   for r in records:
+    if r is None:
+      problems.append("no result")
+      continue
     p = r.get("process")
-    if r is None or "error" in r:
-      problems.append(
-        f"process {p}: {r.get('error')}: {str(r.get('message'))[:300]}" if r else "no result"
-      )
+    if "error" in r:
+      problems.append(f"process {p}: {r.get('error')}: {str(r.get('message'))[:300]}")
       continue
     if r["step"] != step:
       problems.append(f"process {p} restored step {r['step']}")

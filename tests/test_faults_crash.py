@@ -14,6 +14,8 @@ import os
 import pytest
 
 from tests.fault_matrix import check_restored, job_failure, run_jobs
+from tests.helpers import fault_job_args as _dirs
+from tests.helpers import listing as _listing
 from tests.mpjob import run_job
 
 LOCAL_STEPS = [1, 2, 3]
@@ -37,26 +39,8 @@ TIMEOUT = 3  # collective_timeout_s in the hang scenario
 STALE_OFFSET = 100  # the second incarnation's values: make_state(step + 100)
 
 
-def _dirs(root: str, name: str, **kw) -> dict:
-  d = os.path.join(root, name.replace(".", "_"))
-  args = {
-    "name": name,
-    "slices": 2,
-    "local_root": os.path.join(d, "local"),
-    "persistent": os.path.join(d, "persistent"),
-    "persistent_interval": 2,
-    "state_commit_timeout_s": 2,
-  }
-  args.update(kw)
-  return args
-
-
 def _victim_dir(args: dict, victim: int) -> str:
   return os.path.join(args["local_root"], f"host_{victim}", "test-run", f"process_{victim}")
-
-
-def _listing(path: str) -> list[str]:
-  return sorted(os.listdir(path)) if os.path.isdir(path) else []
 
 
 @pytest.fixture(scope="module")

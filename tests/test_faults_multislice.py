@@ -12,24 +12,12 @@ import shutil
 import pytest
 
 from tests.fault_matrix import check_errors, check_restored, excerpt, job_failure, run_jobs
+from tests.helpers import fault_job_args as _dirs
+from tests.helpers import listing as _listing
 
 TIMEOUT = 3  # collective_timeout_s in the hang scenario
 WAIT_BOUND = 15  # how long the hang scenario lets wait_until_finished() block
 CONTINUE = 3
-
-
-def _dirs(root: str, name: str, **kw) -> dict:
-  d = os.path.join(root, name.replace(".", "_"))
-  args = {
-    "name": name,
-    "slices": 2,
-    "local_root": os.path.join(d, "local"),
-    "persistent": os.path.join(d, "persistent"),
-    "persistent_interval": 2,
-    "state_commit_timeout_s": 2,
-  }
-  args.update(kw)
-  return args
 
 
 @pytest.fixture(scope="module")
@@ -119,10 +107,6 @@ def _with_out_dirs(specs: dict, root: str) -> dict:
   for name, spec in specs.items():
     spec["out_dir"] = os.path.join(root, "jobs", name.replace(" ", "_"))
   return specs
-
-
-def _listing(path: str) -> list[str]:
-  return sorted(os.listdir(path)) if os.path.isdir(path) else []
 
 
 def _restart_records(runs: dict, job: str, index: int) -> list[dict]:

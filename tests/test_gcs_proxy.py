@@ -176,13 +176,20 @@ def test_hold_drops_request_of_a_client_that_died(gcs_server, gcs_proxy, bucket)
     "Content-Length: 4\r\n\r\ndata".encode()
   )
   rule.wait_held(1, timeout=20)
+  (conn,) = gcs_proxy._conns  # the held request's connection (the only one)
   s.close()  # the client is gone with its whole request sent
   deadline = time.monotonic() + 10
   while rule.held_now and time.monotonic() < deadline:
     time.sleep(0.02)
   assert rule.held_now == 0
   rule.release()
-  time.sleep(0.3)
+  deadline = time.monotonic() + 10
+  # The connection's thread is done with the request once the proxy forgets
+  # it: by then it has either dropped the request or sent it to the server.
+  while conn in gcs_proxy._conns and time.monotonic() < deadline:
+    time.sleep(0.02)
+  assert conn not in gcs_proxy._conns
+  assert gcs_proxy.stats()["forwarded"] == 0
   assert _on_server(gcs_server, bucket, "dead") is None
 
 

@@ -46,6 +46,7 @@ from emergency_ckpt.local_tier import (  # noqa: E402
 )
 from emergency_ckpt.options import LocalTierOptions  # noqa: E402
 from emergency_ckpt.topology import topology_from_mesh  # noqa: E402
+from tests.helpers import abstract_of  # noqa: E402
 
 RUN_ID = "r"
 
@@ -119,12 +120,6 @@ def state(mesh):
     "step": put("scalar"),
     "rep": put("rep"),
   }
-
-
-def abstract_of(tree):
-  return jax.tree_util.tree_map(
-    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree
-  )
 
 
 def make_tier(directory, topo, **kw):
@@ -914,24 +909,40 @@ def test_a_save_during_prepare_takes_the_prepared_buffer(tier, mesh, monkeypatch
   value = np.arange(1 << 20, dtype=np.uint32)
   big = {"x": jax.device_put(value, NamedSharding(mesh, P("data")))}
   paths, leaves, _ = shards_lib.leaf_paths(big)
-  started, release = threading.Event(), threading.Event()
+  started, release, prepared = threading.Event(), threading.Event(), threading.Event()
   real = local_tier_lib._fault_in
 
   def slow_fault_in(buf):
     started.set()
     release.wait(10)
     real(buf)
+    prepared.set()
 
   monkeypatch.setattr(local_tier_lib, "_fault_in", slow_fault_in)
+  reached = threading.Event()  # the save waits for a prepared buffer, or returned
+  pool = tier._pool
+
+  class Ready(threading.Condition):  # the pool's "a prepared buffer landed"
+    def wait(self, timeout=None):
+      reached.set()
+      return super().wait(timeout)
+
+  pool._ready = Ready(pool._lock)
   tier.prepare(paths, leaves)
   assert started.wait(10)
   got = {}
-  t = threading.Thread(target=lambda: got.setdefault("staged", tier.stage(1, paths, leaves)))
+
+  def save():
+    staged = tier.stage(1, paths, leaves)
+    got.update(staged=staged, after_prepare=prepared.is_set())
+    reached.set()
+
+  t = threading.Thread(target=save)
   t.start()
-  time.sleep(0.2)
-  assert "staged" not in got  # waiting for the buffer being prepared
-  release.set()
+  assert reached.wait(10)
+  release.set()  # only now may the preparation end
   t.join(10)
+  assert got["after_prepare"]  # the save waited for the buffer being prepared
   tier.write_async(got["staged"]).result()
   tier.wait_idle()
   assert len(tier._pool._free) == 1 and tier._pool._free[0] is got["staged"].buffer

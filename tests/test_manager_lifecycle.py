@@ -7,14 +7,11 @@ from __future__ import annotations
 import json
 import os
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import emergency_ckpt as ec
+from tests.helpers import abstract as _abstract
 from tests.single_slice import state as _state
 
 
@@ -29,10 +26,6 @@ def _options(shm_dir, **kw) -> ec.CheckpointManagerOptions:
     run_id="lifecycle",
     **kw,
   )
-
-
-def _abstract(mesh):
-  return {"w": jax.ShapeDtypeStruct((4, 2), jnp.float32, sharding=NamedSharding(mesh, P()))}
 
 
 def _persistent_steps(shm_dir) -> list[int]:

@@ -14,22 +14,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import emergency_ckpt as ec
+from tests.helpers import abstract as _abstract
 from tests.single_slice import state as _state
-
-
-@pytest.fixture
-def options(shm_dir):
-  return ec.CheckpointManagerOptions(
-    local=ec.LocalTierOptions(directory=os.path.join(shm_dir, "local"), save_interval_steps=2),
-    persistent=ec.PersistentTierOptions(
-      directory=os.path.join(shm_dir, "persistent"), save_interval_steps=4
-    ),
-    run_id="single",
-  )
-
-
-def _abstract(mesh, shape=(4, 2), dtype=jnp.float32):
-  return {"w": jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P()))}
 
 
 def test_nothing_restorable_names_directories(options, mesh):
@@ -139,10 +125,13 @@ def test_background_work_waits_for_a_colocated_save(options, mesh, monkeypatch):
   """While another process of this job on this machine is inside save(),
   this process's save() returns at once, but its ramdisk write and its
   persistent upload start only when that save ends (colocated.py)."""
+  import collections  # noqa: PLC0415
+  import fcntl  # noqa: PLC0415
   import threading  # noqa: PLC0415
   import time  # noqa: PLC0415
+  import types  # noqa: PLC0415
 
-  from emergency_ckpt import local_tier  # noqa: PLC0415
+  from emergency_ckpt import colocated, local_tier  # noqa: PLC0415
   from emergency_ckpt.colocated import StagingWindow  # noqa: PLC0415
 
   job = f"test-job-{os.getpid()}"  # as if a process of a multi-process job
@@ -156,6 +145,36 @@ def test_background_work_waits_for_a_colocated_save(options, mesh, monkeypatch):
       inside.set()
       leave.wait(10)
 
+  # The save's background work (the ramdisk write, the upload: one thread
+  # each) waits in wait_closed, polling the window's lock. Seen here: each
+  # time a poll finds the window held, and whether the colocated save had
+  # ended when each wait returned. The wait's cap (1 s + 4x the copy) is
+  # raised: a slow machine must not reach it before this test ends that save.
+  real_flock, real_wait_closed = fcntl.flock, StagingWindow.wait_closed
+  polls_refused, seen = collections.Counter(), threading.Condition()
+  ended_after_leave = []
+
+  def flock(fd, op):
+    try:
+      return real_flock(fd, op)
+    except BlockingIOError:
+      if op & fcntl.LOCK_EX:
+        with seen:
+          polls_refused[threading.get_ident()] += 1
+          seen.notify_all()
+      raise
+
+  def both_polling():
+    return len(polls_refused) == 2 and min(polls_refused.values()) >= 2
+
+  def wait_closed(self, timeout_s):
+    waited = real_wait_closed(self, max(timeout_s, 60.0))
+    ended_after_leave.append(leave.is_set())
+    return waited
+
+  locks = {k: getattr(fcntl, k) for k in ("LOCK_SH", "LOCK_EX", "LOCK_NB", "LOCK_UN")}
+  monkeypatch.setattr(colocated, "fcntl", types.SimpleNamespace(flock=flock, **locks))
+  monkeypatch.setattr(StagingWindow, "wait_closed", wait_closed)
   t = threading.Thread(target=colocated_save, daemon=True)
   t.start()
   assert inside.wait(5)
@@ -163,12 +182,14 @@ def test_background_work_waits_for_a_colocated_save(options, mesh, monkeypatch):
     t0 = time.monotonic()
     assert mngr.save(4, _state(mesh, 4.0)) is True  # both tiers
     assert time.monotonic() - t0 < 0.5
-    time.sleep(0.4)
+    with seen:  # both found the window held, and polled again: they wait for it
+      assert seen.wait_for(both_polling, timeout=10), polls_refused
     local_step = os.path.join(mngr.local_directory, "step_4")
     persistent_step = os.path.join(options.persistent.directory, "tensors", "4")
     assert not os.path.exists(local_step) and not os.path.exists(persistent_step)
     leave.set()
     mngr.wait_until_finished()
+    assert ended_after_leave == [True, True]
     assert os.path.isdir(local_step) and os.path.isdir(persistent_step)
     assert mngr.all_steps() == [4]
   t.join(5)

@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from emergency_ckpt import persistent_read, shards  # noqa: E402
 from emergency_ckpt.errors import CorruptCheckpointError, StateMismatchError  # noqa: E402
 from emergency_ckpt.persistent_tier import _ocp  # noqa: E402
+from tests.helpers import abstract_of as _abstract  # noqa: E402
 
 
 def _mesh() -> Mesh:
@@ -56,12 +57,6 @@ def _state(mesh: Mesh):
     return jax.device_put(value, NamedSharding(mesh, spec))
 
   return jax.tree_util.tree_map(place, _host_tree(), is_leaf=lambda x: isinstance(x, tuple))
-
-
-def _abstract(state):
-  return jax.tree_util.tree_map(
-    lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state
-  )
 
 
 def _save(path: str, state, **handler_options) -> epath.Path:
