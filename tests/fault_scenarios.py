@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 import emergency_ckpt as ec
 from emergency_ckpt import topology as topology_lib
-from emergency_ckpt.launcher import read_pid
+from emergency_ckpt.testing.launcher import job_output_dir, read_pid
 from tests import scenarios as sc
 
 # ---- plumbing -------------------------------------------------------------------
@@ -56,7 +56,7 @@ def barrier(name: str, timeout_s: float = 120) -> None:
 
 
 def sibling_pid(process: int) -> int:
-  pid = read_pid(os.environ["EC_TEST_OUT"], process)
+  pid = read_pid(job_output_dir(), process)
   assert pid is not None, f"process {process} never reported its pid"
   return pid
 
@@ -521,7 +521,7 @@ def _stop_at_status_exchange() -> None:
 def _append_record(rec: dict) -> None:
   """Also keeps each record in <job out>/records_<process>.jsonl, so a process
   that a later variant kills (SIGSTOP, then SIGKILL) still reports the rest."""
-  path = os.path.join(os.environ["EC_TEST_OUT"], f"records_{me()}.jsonl")
+  path = os.path.join(job_output_dir(), f"records_{me()}.jsonl")
   with open(path, "a") as f:
     f.write(json.dumps(rec) + "\n")
 

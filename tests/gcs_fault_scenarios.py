@@ -2,7 +2,7 @@
 
 Each function is a job target (`run_job("tests.gcs_fault_scenarios:fn", ...)`).
 The fault-injecting proxy (tests/gcs_proxy.py) runs in the test process; a
-worker reaches it through EC_TEST_GCS_FAULTS_URL (`ProxyClient.from_env()`).
+worker reaches it through EC_GCS_FAULTS_URL (`ProxyClient.from_env()`).
 Workers return raw facts; the tests judge them.
 """
 

@@ -30,7 +30,7 @@ chunked), so large uploads work; responses are relayed byte for byte.
 
 Child processes control the same proxy over HTTP: requests under
 /__proxy__/ are answered by the proxy itself (`ProxyClient`, found through
-the EC_TEST_GCS_FAULTS_URL environment variable). Only 127.0.0.1 is bound.
+the EC_GCS_FAULTS_URL environment variable). Only 127.0.0.1 is bound.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from typing import Any
 
 HOST = "127.0.0.1"
 CONTROL = "/__proxy__/"
-ENV_VAR = "EC_TEST_GCS_FAULTS_URL"  # no "proxy" in it: JAX warns about such variables
+ENV_VAR = "EC_GCS_FAULTS_URL"  # no "proxy" in it: JAX warns about such variables
 ACTIONS = ("fail", "reset", "hold", "delay")
 _REASONS = {
   400: "Bad Request",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from benchmarks import measure
+from emergency_ckpt.bench import measure
 
 
 def test_peak_rss_catches_a_transient_peak_without_a_sampling_thread():

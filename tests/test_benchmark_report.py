@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks import report
-from benchmarks.adapters import MANAGERS
+from emergency_ckpt.bench import report
+from emergency_ckpt.bench.adapters import MANAGERS
 
 
 def _proc(stalls, memcpys, first_stall, first_memcpy):

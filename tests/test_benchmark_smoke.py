@@ -1,4 +1,4 @@
-"""Smoke test of the benchmark: `python -m benchmarks.run --quick` end to end.
+"""Smoke test of the benchmark: `python -m emergency_ckpt.bench --quick` end to end.
 
 It runs every job of the real benchmark at a tiny size (4 MiB, 1 rep) and
 checks the output's shape: every metric for all three managers and every raw
@@ -10,11 +10,9 @@ assertions: the machine is shared.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MANAGERS = ("emergency_ckpt", "orbax_multislice", "orbax_p2p")
 METRICS = (
   "save_stall_s",
@@ -38,8 +36,8 @@ def _positive(v) -> bool:
 def test_quick_benchmark_reports_every_metric(tmp_path):
   out = tmp_path / "bench"
   proc = subprocess.run(
-    [sys.executable, "-m", "benchmarks.run", "--quick", "--out", str(out)],
-    cwd=REPO,
+    [sys.executable, "-m", "emergency_ckpt.bench", "--quick", "--out", str(out)],
+    cwd=tmp_path,
     capture_output=True,
     text=True,
     timeout=400,

@@ -342,7 +342,7 @@ def test_launcher_process0_exits_after_its_siblings(tmp_path):
   """Process 0 hosts the coordination service: if it exited first, process 1
   would abort (SIGABRT) before writing its result (EC_LAUNCHER_EXIT_WAIT_S=0
   shows it). Process 0 now waits for the others' results."""
-  from tests.mpjob import run_job  # noqa: PLC0415
+  from emergency_ckpt.testing.launcher import run_job  # noqa: PLC0415
 
   job = run_job(
     "tests.fault_scenarios:sleep_then_return",
@@ -360,7 +360,7 @@ def test_launcher_sees_dead_and_zombie_siblings(tmp_path):
   import subprocess  # noqa: PLC0415
   import time  # noqa: PLC0415
 
-  from emergency_ckpt import launcher  # noqa: PLC0415
+  from emergency_ckpt.testing import launcher  # noqa: PLC0415
 
   child = subprocess.Popen(["true"])
   deadline = time.monotonic() + 10

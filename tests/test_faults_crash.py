@@ -13,10 +13,10 @@ import os
 
 import pytest
 
+from emergency_ckpt.testing.launcher import run_job
 from tests.fault_matrix import check_restored, job_failure, run_jobs
 from tests.helpers import fault_job_args as _dirs
 from tests.helpers import listing as _listing
-from tests.mpjob import run_job
 
 LOCAL_STEPS = [1, 2, 3]
 PERSISTENT_STEPS = [1, 2, 3, 4]

@@ -16,9 +16,9 @@ import subprocess
 
 import pytest
 
+from emergency_ckpt.testing.launcher import run_job
 from tests.fault_matrix import check_errors, check_restored, job_failure
 from tests.fault_scenarios import read_records
-from tests.mpjob import run_job
 
 TIMEOUT = 3  # collective_timeout_s where a process is expected to be missing
 

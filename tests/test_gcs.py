@@ -7,8 +7,8 @@ the job's processes inherit.
 
 from __future__ import annotations
 
+from emergency_ckpt.testing.launcher import run_job
 from tests.gcs_server import list_objects
-from tests.mpjob import run_job
 
 TIMEOUT_S = 240
 

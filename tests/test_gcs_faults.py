@@ -21,9 +21,9 @@ from etils import epath
 from emergency_ckpt import storage
 from emergency_ckpt.errors import StorageError
 from emergency_ckpt.storage import RetryPolicy, StorageNotFoundError
+from emergency_ckpt.testing.launcher import run_job
 from tests.gcs_proxy import ENV_VAR
 from tests.gcs_server import list_objects
-from tests.mpjob import run_job
 
 NO_OUTER_RETRY = RetryPolicy(attempts=1)  # success then proves the client retried
 

@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from tests.mpjob import run_job
+from emergency_ckpt.testing.launcher import run_job
 
 # (slices, processes, devices per process)
 TOPOLOGIES = {

@@ -5,7 +5,7 @@ import os
 import pytest
 
 from emergency_ckpt.policies import keep_local
-from tests.mpjob import run_job
+from emergency_ckpt.testing.launcher import run_job
 
 
 @pytest.mark.parametrize(

@@ -16,6 +16,7 @@ from emergency_ckpt.cli.bench import cmd_bench
 from emergency_ckpt.cli.gc import cmd_gc, plan_gc
 from emergency_ckpt.cli.inspect import cmd_inspect, cmd_verify, collect
 from emergency_ckpt.cli.report import cmd_report, draw_timeline, summarize_events
+from emergency_ckpt.demo import main as demo_main
 
 __all__ = [
   "build_parser",
@@ -34,9 +35,7 @@ __all__ = [
 
 
 def cmd_demo(a) -> int:
-  from examples import demo  # noqa: PLC0415
-
-  return demo.main(a.rest)
+  return demo_main.run(a.root, keep=a.keep, config=a.config)
 
 
 # ---- argument parsing ----------------------------------------------------------
@@ -95,9 +94,10 @@ Definitions:
 """
 
 _BENCH_HELP = """\
-Run the benchmark (benchmarks/run.py, repository checkout only): emergency_ckpt
-against Orbax's multislice and P2P emergency checkpoint managers and the raw
-bounds of this machine (memcpy, ramdisk, disk), 4 processes x 2 CPU devices.
+Run the benchmark (emergency_ckpt.bench; also `python -m emergency_ckpt.bench`):
+emergency_ckpt against Orbax's multislice and P2P emergency checkpoint
+managers and the raw bounds of this machine (memcpy, ramdisk, disk), 4
+processes x 2 CPU devices.
 Jobs: the raw bounds, then per manager a main job (save stall and durable
 times, restore intact / after losing a slice / from persistent) and K restart
 jobs (spawn to restored state). Shows one numbered line per job (a live status
@@ -232,15 +232,10 @@ def build_parser() -> argparse.ArgumentParser:
     "demo",
     help="run the README's main job",
     description="The README's main job: a 2-slice CPU training run loses a slice and"
-    " resumes from its peer, bit-exactly. Arguments after `demo` go to examples/demo.py.",
+    " resumes from its peer, bit-exactly (emergency_ckpt.demo; also"
+    " `python -m emergency_ckpt.demo`). 4 processes x 2 CPU devices; under a minute.",
   )
-  s.add_argument(
-    "rest",
-    nargs=argparse.REMAINDER,
-    metavar="ARGS",
-    help="passed to examples/demo.py: --root DIR (work folder; default a fresh one under"
-    " /dev/shm), --keep (keep the work folder)",
-  )
+  demo_main.add_arguments(s)
   s.set_defaults(fn=cmd_demo)
   return p
 

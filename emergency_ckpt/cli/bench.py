@@ -1,32 +1,21 @@
-"""`emergency-ckpt bench`: run benchmarks/run.py of the repository checkout with
-a numbered progress line per job."""
+"""`emergency-ckpt bench`: run the benchmark (emergency_ckpt.bench.run) with a
+numbered progress line per job."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import re
-import sys
 import threading
 import time
 
-from emergency_ckpt.cli._output import _Progress
+from emergency_ckpt.cli._output import Progress
 
 
 def _bench_module():
-  """benchmarks.run from the repository checkout (not part of the package)."""
-  try:
-    from benchmarks import run  # noqa: PLC0415
-  except ImportError:
-    # emergency_ckpt/cli/bench.py -> the checkout holding emergency_ckpt/ and benchmarks/
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    if not os.path.isfile(os.path.join(repo, "benchmarks", "run.py")):
-      raise SystemExit(
-        "emergency-ckpt bench: the benchmarks/ folder of the repository checkout is"
-        " needed; run it from a clone of the repository (python -m emergency_ckpt.cli bench)"
-      ) from None
-    sys.path.insert(0, repo)
-    from benchmarks import run  # noqa: PLC0415
+  """emergency_ckpt.bench.run, imported only for this command (it pulls in JAX)."""
+  from emergency_ckpt.bench import run  # noqa: PLC0415
+
   return run
 
 
@@ -61,9 +50,9 @@ class _LogSink:
 
 
 class _BenchProgress:
-  """benchmarks.run's on_job hook: one numbered line per job."""
+  """emergency_ckpt.bench.run's on_job hook: one numbered line per job."""
 
-  def __init__(self, total: int, reps: int, progress: _Progress, sink: _LogSink | None):
+  def __init__(self, total: int, reps: int, progress: Progress, sink: _LogSink | None):
     self.total, self.reps, self.index = total, reps, 0
     self.progress, self.sink = progress, sink
     self.current: tuple[str, float] | None = None
@@ -111,7 +100,7 @@ def cmd_bench(a) -> int:
     argv.append("--keep")
   args = run.parse_args(argv)  # defaults and validation, as the benchmark applies them
   total = 1 + len(args.managers) * (1 + args.reps)
-  progress = _Progress()
+  progress = Progress()
   os.makedirs(a.out, exist_ok=True)
   log_path = os.path.join(a.out, "bench.log")
   progress.line(

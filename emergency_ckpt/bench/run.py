@@ -1,9 +1,9 @@
 """Benchmarks emergency_ckpt against Orbax's two emergency checkpoint managers.
 
-  python -m benchmarks.run [--mib-per-replica N] [--reps K] [--out DIR] [--quick]
+  python -m emergency_ckpt.bench [--mib-per-replica N] [--reps K] [--out DIR] [--quick]
 
 On this machine, with the same train state and jobs for every manager (all
-launched by emergency_ckpt.launcher.run_job, the launcher the tests use):
+launched by emergency_ckpt.testing.launcher.run_job, the launcher the tests use):
   1. raw bounds: one 4-process job measuring memcpy, ramdisk write/read,
      persistent write and cold read of each process's exact bytes;
   2. per manager (emergency_ckpt, Orbax multislice, Orbax P2P): one main job
@@ -29,12 +29,13 @@ import tempfile
 import threading
 import time
 
-from benchmarks import report
-from benchmarks.adapters import MANAGERS, OURS
-from benchmarks.state import LAYOUTS, rows_per_leaf
-from benchmarks.workers import SPAWN_ENV
-from emergency_ckpt.launcher import run_job  # tests/mpjob.py re-exports it
+from emergency_ckpt.bench import report
+from emergency_ckpt.bench.adapters import MANAGERS, OURS
+from emergency_ckpt.bench.state import LAYOUTS, rows_per_leaf
+from emergency_ckpt.bench.workers import SPAWN_ENV
+from emergency_ckpt.testing.launcher import run_job
 
+WORKERS = "emergency_ckpt.bench.workers"  # the jobs' target module
 PROCESSES = 4
 DEVICES_PER_PROCESS = 2
 QUICK_MIB, QUICK_REPS = 4, 1
@@ -137,7 +138,9 @@ def _summarize(res, bad: list[int]) -> str:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n")[0])
+  p = argparse.ArgumentParser(
+    prog="python -m emergency_ckpt.bench", description=__doc__.split("\n")[0]
+  )
   p.add_argument("--mib-per-replica", type=int, default=None, help=f"default {DEFAULT_MIB}")
   p.add_argument("--reps", type=int, default=None, help=f"default {DEFAULT_REPS}")
   p.add_argument("--out", default="bench_out", help="output directory (default bench_out/)")
@@ -198,7 +201,7 @@ def main(argv=None, on_job=None) -> int:
   results: dict[str, dict] = {}
   ready: list[float] = []  # restart jobs' spawn-to-ready, pooled into the bound
   try:
-    raw, raw_error = runner.job("raw", "benchmarks.workers:raw_bounds", base, t_small)
+    raw, raw_error = runner.job("raw", f"{WORKERS}:raw_bounds", base, t_small)
     if raw is None:
       progress(f"raw bounds failed ({raw_error}); nothing to compare against")
       return 1
@@ -207,14 +210,12 @@ def main(argv=None, on_job=None) -> int:
         main_res, main_err, restarts, restart_errors = None, "skipped (--managers)", [], []
       else:
         job_args = dict(base, manager=name)
-        main_res, main_err = runner.job(
-          f"{name}-main", "benchmarks.workers:manager_main", job_args, t_main
-        )
+        main_res, main_err = runner.job(f"{name}-main", f"{WORKERS}:manager_main", job_args, t_main)
         restarts, restart_errors = [], []
         if main_res is not None:
           for k in range(reps):
             got, err = runner.job(
-              f"{name}-restart-{k}", "benchmarks.workers:manager_restart", job_args, t_small
+              f"{name}-restart-{k}", f"{WORKERS}:manager_restart", job_args, t_small
             )
             if got is None:
               restart_errors.append(err)

@@ -15,7 +15,7 @@ from typing import Any
 
 import jax
 
-from benchmarks.state import Layout
+from emergency_ckpt.bench.state import Layout
 
 OURS = "emergency_ckpt"
 ORBAX_MS = "orbax_multislice"

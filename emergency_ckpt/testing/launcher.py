@@ -1,36 +1,53 @@
 """Launches real multi-process jax.distributed jobs on one CPU machine.
 
 Used by the demo, the benchmark and the tests. `run_job("pkg.mod:fn", n, args)`
-starts n processes of `python -m emergency_ckpt.launcher`, each running
-`fn(args)` after
-jax.distributed.initialize on 127.0.0.1. Each returns a JSON-able result,
-written to <out>/result_<i>.json; each writes its OS pid to <out>/pid_<i> first
-(so a test can signal a sibling). Process 0 hosts the coordination service:
-it exits last, after every other process wrote its result or died (bounded by
-EC_LAUNCHER_EXIT_WAIT_S, default 60 s), so its exit never aborts a sibling
-that is still writing its result. The launcher kills only its own children,
-by PID, after a timeout.
+starts n processes of `python -m emergency_ckpt.testing.launcher`, each running
+`fn(args)` after jax.distributed.initialize on 127.0.0.1. The target module is
+imported by name, so it must be importable by the children: they run in the
+caller's working directory with the caller's interpreter, and the folder the
+caller imports the target's top-level package from is put on their PYTHONPATH
+(so `tests.scenarios:fn` works from a checkout, `emergency_ckpt.demo.trainer:fn`
+from an installed wheel).
+
+Each process returns a JSON-able result, written to <out>/result_<i>.json; each
+writes its OS pid to <out>/pid_<i> first (so a process can signal a sibling:
+`read_pid(job_output_dir(), i)`). Process 0 hosts the coordination service: it
+exits last, after every other process wrote its result or died (bounded by
+EC_LAUNCHER_EXIT_WAIT_S, default 60 s), so its exit never aborts a sibling that
+is still writing its result. The launcher kills only its own children, by PID,
+after a timeout.
+
+Environment of each child (set by run_job): EC_JOB_COORD (coordinator
+address), EC_JOB_NPROC (process count), EC_JOB_PID (this process's index),
+EC_JOB_OUT (the job's output folder; `job_output_dir()`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 import traceback
 from typing import Any
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COORD_ENV = "EC_JOB_COORD"
+NPROC_ENV = "EC_JOB_NPROC"
+PID_ENV = "EC_JOB_PID"
+OUT_ENV = "EC_JOB_OUT"
+EXIT_WAIT_ENV = "EC_LAUNCHER_EXIT_WAIT_S"
 
 
 def free_port() -> int:
+  """A TCP port on 127.0.0.1 that was free a moment ago (for the coordinator)."""
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     return s.getsockname()[1]
@@ -69,9 +86,15 @@ def run_job(
   env: dict[int, dict[str, str]] | None = None,
   out_dir: str | None = None,
 ) -> JobResult:
+  """Runs `target` ("package.module:function") in `num_processes` processes
+  of one jax.distributed job, each with `devices_per_process` CPU devices, and
+  waits for them (at most `timeout_s`, then kills them). `env` adds variables
+  per process index; `out_dir` (default: a fresh temporary folder) gets the
+  logs, pids and results. Called by: the driver (tests, demo, benchmark)."""
   out_dir = out_dir or tempfile.mkdtemp(prefix="ecjob-")
   os.makedirs(out_dir, exist_ok=True)
   port = free_port()
+  root = _import_root(target)
   procs = []
   logs = []
   t0 = time.monotonic()
@@ -81,14 +104,15 @@ def run_job(
       {
         "JAX_PLATFORMS": "cpu",
         "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_per_process}",
-        "EC_TEST_COORD": f"127.0.0.1:{port}",
-        "EC_TEST_NPROC": str(num_processes),
-        "EC_TEST_PID": str(i),
-        "EC_TEST_OUT": out_dir,
-        "PYTHONPATH": REPO + os.pathsep + e.get("PYTHONPATH", ""),
+        COORD_ENV: f"127.0.0.1:{port}",
+        NPROC_ENV: str(num_processes),
+        PID_ENV: str(i),
+        OUT_ENV: out_dir,
         "PYTHONUNBUFFERED": "1",
       }
     )
+    if root is not None:
+      e["PYTHONPATH"] = os.pathsep.join(p for p in (root, e.get("PYTHONPATH")) if p)
     e.pop("EC_FAILPOINTS", None)
     e.update((env or {}).get(i, {}))
     log_path = os.path.join(out_dir, f"log_{i}.txt")
@@ -96,11 +120,10 @@ def run_job(
     with open(log_path, "wb") as log:
       procs.append(
         subprocess.Popen(
-          [sys.executable, "-m", "emergency_ckpt.launcher", target, json.dumps(args)],
+          [sys.executable, "-m", "emergency_ckpt.testing.launcher", target, json.dumps(args)],
           stdout=log,
           stderr=subprocess.STDOUT,
           env=e,
-          cwd=REPO,
           start_new_session=True,
         )
       )
@@ -142,6 +165,39 @@ def run_job(
     time.monotonic() - t0,
     [read_pid(out_dir, i) for i in range(num_processes)],
   )
+
+
+def _import_root(target: str) -> str | None:
+  """The folder this process imports the target's top-level package from,
+  for the children's PYTHONPATH; None if the interpreter's own site-packages
+  hold it (the children find it there) or it is not importable here."""
+  top = target.split(":")[0].split(".")[0]
+  spec = importlib.util.find_spec(top)
+  if spec is None:
+    return None  # the children's import fails and reports it
+  if spec.submodule_search_locations:
+    where = os.path.dirname(os.path.abspath(next(iter(spec.submodule_search_locations))))
+  elif spec.origin and os.path.exists(spec.origin):
+    where = os.path.dirname(os.path.abspath(spec.origin))
+  else:
+    return None  # built in or frozen
+  site = {os.path.realpath(sysconfig.get_paths()[k]) for k in ("purelib", "platlib")}
+  return None if os.path.realpath(where) in site else where
+
+
+def job_output_dir() -> str:
+  """The output folder of the job this process belongs to (logs, pids,
+  results); a job function may put its own files there. Called by: a process
+  started by run_job."""
+  try:
+    return os.environ[OUT_ENV]
+  except KeyError:
+    raise RuntimeError(f"not a process of a run_job job ({OUT_ENV} is not set)") from None
+
+
+def in_job() -> bool:
+  """True in a process started by run_job."""
+  return OUT_ENV in os.environ
 
 
 def read_pid(out_dir: str, process: int) -> int | None:
@@ -191,9 +247,9 @@ def wait_for_siblings(out_dir: str, me: int, n: int, timeout_s: float) -> list[i
 
 def _worker_main() -> None:
   target, raw_args = sys.argv[1], sys.argv[2]
-  pid = int(os.environ["EC_TEST_PID"])
-  n = int(os.environ["EC_TEST_NPROC"])
-  out_dir = os.environ["EC_TEST_OUT"]
+  pid = int(os.environ[PID_ENV])
+  n = int(os.environ[NPROC_ENV])
+  out_dir = job_output_dir()
   out = os.path.join(out_dir, f"result_{pid}.json")
   with open(os.path.join(out_dir, f"pid_{pid}.tmp"), "w") as f:
     f.write(str(os.getpid()))
@@ -205,7 +261,7 @@ def _worker_main() -> None:
 
     if n > 1:
       jax.distributed.initialize(
-        coordinator_address=os.environ["EC_TEST_COORD"],
+        coordinator_address=os.environ[COORD_ENV],
         num_processes=n,
         process_id=pid,
         initialization_timeout=120,
@@ -223,9 +279,7 @@ def _worker_main() -> None:
   if pid == 0 and n > 1:
     # Process 0 hosts the coordination service: exiting now would abort the
     # others before they write their results.
-    left = wait_for_siblings(
-      out_dir, pid, n, float(os.environ.get("EC_LAUNCHER_EXIT_WAIT_S", "60"))
-    )
+    left = wait_for_siblings(out_dir, pid, n, float(os.environ.get(EXIT_WAIT_ENV, "60")))
     if left:
       print(f"launcher: exiting while processes {left} still run", file=sys.stderr)
   sys.stdout.flush()

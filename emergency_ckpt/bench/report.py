@@ -12,8 +12,8 @@ import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from benchmarks import workers
-from benchmarks.adapters import MANAGERS, ORBAX_MS, ORBAX_P2P, OURS
+from emergency_ckpt.bench import workers
+from emergency_ckpt.bench.adapters import MANAGERS, ORBAX_MS, ORBAX_P2P, OURS
 
 MIB = 2**20
 

@@ -1,9 +1,10 @@
 """Code that runs inside the benchmark's multi-process jobs (run_job).
 
 Each function takes the JSON args dict and returns this process's JSON
-result; benchmarks/report.py reduces them (per-process max or sum, then the
+result; report.py reduces them (per-process max or sum, then the
 median over repetitions). Module-level imports stay light (no Orbax, no
-emergency_ckpt), so a worker's "ready" time is that of a bare JAX job.
+manager), so a worker's "ready" time is that of a bare JAX job (plus the
+launcher's package import, the same for every manager).
 
 Directories (per manager and layout): the simulated host of process i has its
 ramdisk at <shm_root>/<manager>/<layout>/host_<i>; the persistent directory
@@ -19,10 +20,11 @@ import time
 import jax
 import numpy as np
 
-from benchmarks import adapters
-from benchmarks import measure as m
-from benchmarks import state as st
-from benchmarks.sync import barrier
+from emergency_ckpt.bench import adapters
+from emergency_ckpt.bench import measure as m
+from emergency_ckpt.bench import state as st
+from emergency_ckpt.bench.sync import barrier
+from emergency_ckpt.testing import launcher
 
 SPAWN_ENV = "EC_BENCH_SPAWN_T"
 VARIANTS = ("intact", "lose_slice", "persistent_cold")
@@ -65,7 +67,7 @@ def _finish(result: dict) -> dict:
   also waits for the others' result files: when it exits, the coordination
   service goes away and aborts any process still alive (SIGABRT)."""
   barrier("finish")
-  out_dir = os.environ.get("EC_TEST_OUT")
+  out_dir = launcher.job_output_dir() if launcher.in_job() else None
   if jax.process_index() == 0 and out_dir:
     deadline = time.monotonic() + 60
     others = [os.path.join(out_dir, f"result_{i}.json") for i in range(1, jax.process_count())]

@@ -1,6 +1,7 @@
 """A small data-parallel trainer using emergency_ckpt (runs in every process).
 
-Model: linear regression, params sharded over 'data', replicated over
+Run by emergency_ckpt.demo.main through the launcher (`train` is the job
+target). Model: linear regression, params sharded over 'data', replicated over
 'replica' (the slices). Data: a deterministic iterator whose position is the
 per-process non-tensor state.
 """
@@ -72,8 +73,9 @@ def make_step(m: Mesh):
 
 
 def train(args: dict) -> dict:
-  """Trains to args['until']; checkpoints if args['config'] is set; restores
-  first if args['restore']. Returns losses and where this process restored from."""
+  """Trains to args['until']; checkpoints if args['config'] is set (with the
+  event log at args['event_log'] if given); restores first if args['restore'].
+  Returns losses and where this process restored from."""
   m = mesh()
   step_fn, rep = make_step(m)
   params = init_params(m)
@@ -81,7 +83,8 @@ def train(args: dict) -> dict:
   start, restored = 0, None
   mngr = None
   if args.get("config"):
-    mngr = ec.CheckpointManager(ec.load_config(args["config"]), mesh=m)
+    overrides = [f"event_log={args['event_log']}"] if args.get("event_log") else []
+    mngr = ec.CheckpointManager(ec.load_config(args["config"], overrides), mesh=m)
   if mngr is not None and args.get("restore"):
     abstract = jax.tree.map(
       lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), params

@@ -1,0 +1,6 @@
+"""Support for running emergency_ckpt in real multi-process jobs on one machine.
+
+`emergency_ckpt.testing.launcher.run_job` starts a jax.distributed job of N CPU
+processes on 127.0.0.1; the test suite, the demo (`emergency-ckpt demo`) and
+the benchmark (`emergency-ckpt bench`) use it. Not part of the checkpointing API.
+"""
