@@ -10,12 +10,12 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import emergency_ckpt as ec
 from emergency_ckpt.topology import topology_from_mesh
+from tests.helpers import barrier
 
 SPECS = {
   "w": ((8, 16), np.float32, P(None, "data")),
@@ -121,11 +121,6 @@ def options(args: dict) -> ec.CheckpointManagerOptions:
     peer_ports=args.get("peer_ports"),
     state_commit_timeout_s=args.get("state_commit_timeout_s", 30),
   )
-
-
-def barrier(name: str) -> None:
-  if jax.process_count() > 1:
-    multihost_utils.sync_global_devices(name)
 
 
 def save_steps(args: dict) -> dict:
