@@ -5,120 +5,87 @@ Layout (per process; nobody else reads it):
   <directory>/<run_id>/process_<i>/step_<N>/manifest.json  tree, shards, CRC32Cs
   <directory>/<run_id>/process_<i>/.tmp-step_<N>-<uuid>/   a save in progress
   <directory>/<run_id>/process_<i>/.tmp-spare-<uuid>/      a retired step's file, reused
+(the format of one step folder: local_format.py)
 
 A step exists only once its folder is renamed from .tmp-*, after both files are
-written, so a crash never leaves a listed partial step. Every shard carries a
-CRC32C (hardware, ~8 GB/s here; zlib's CRC32 was 3x slower and a third of a
-local save) checked on read; the manifest carries a CRC32 over its own body.
+written, so a crash never leaves a listed partial step.
 
-A save copies the shards into a reused, already-faulted host staging buffer
-(the only stall: a memcpy); a background thread then pwrite()s the buffer
-into the ramdisk, computing each shard's CRC32C on the chunk it writes. The
-file it writes into is, in steady state, the shards.bin of a step that local
-retention retired (kept as a spare instead of unlinked): the kernel copies
-into tmpfs pages that already exist, so no page is allocated, zeroed or
-mapped into this process. Per 256 MiB process here: 0.05 cpu-s for that
-write, 0.13 into a fresh file; mapping a preallocated file instead (the
-design before) cost 0.19 cpu-s of fallocate and page-table work per save.
-The price is memory: the staging buffer stays allocated between saves (as
-DCP's cached staging buffers do), beside the kept steps and one spare file.
+A save's host snapshot (staging.py) is written by the tier's writer thread
+through Orbax's checkpointer API: a synchronous `LocalCheckpointer` driving
+`LocalShardsHandler` (local_handler.py), which pwrite()s the buffer into the
+ramdisk, computing each shard's CRC32C on the chunk it writes, then the
+manifest; Orbax's temporary folder is a `.tmp-step_<N>-<hex>` name, renamed
+into place. That checkpointer is configured so that no process sync, barrier
+or shared Orbax state is touched (../shared/notes/orbax-local-handler.md):
+measured here, a 256 MiB save is durable 1.00-1.04x as late as with the plain
+writer thread it replaced (+0.4-0.7 ms fixed per save, write_async() still
+blocks ~0.07 ms), and uneven local saves across processes never disturb the
+persistent tier's barriers.
+
+The file a save writes into is, in steady state, the shards.bin of a step
+that local retention retired (kept as a spare instead of unlinked; the
+handler moves it into the new step folder): the kernel copies into tmpfs
+pages that already exist, so no page is allocated, zeroed or mapped into
+this process. Per 256 MiB process here: 0.05 cpu-s for that write, 0.13 into
+a fresh file; mapping a preallocated file instead (the design before) cost
+0.19 cpu-s of fallocate and page-table work per save.
 
 A file this process has mapped to restore from is never reused: restored
 arrays alias its pages through a private mapping, which would see the
 overwrite. Such a step is unlinked when retired (its pages live on for the
 mapping).
 
-Reads map shards.bin (no copy into a private buffer): on CPU the restored
-arrays alias those pages (copy-on-write), so a restore costs one checksum pass.
+Reads go through the same checkpointer's restore and map shards.bin (no
+copy into a private buffer): on CPU the restored arrays alias those pages
+(copy-on-write), so a restore costs one checksum pass.
 
-Why not Orbax here: Orbax's local handlers (zarr3 + zstd through tensorstore,
-with barriers across processes) measured 6.2x a raw ramdisk write on this
-hardware; a ramdisk copy is only useful if it is nearly free. The persistent
-tier stays in Orbax's standard format.
+Why not Orbax's own handlers: zarr3 + zstd through tensorstore, with
+barriers across processes, measured 6.2x a raw ramdisk write on this
+hardware; a ramdisk copy is only useful if it is nearly free. Orbax's
+CheckpointManager (its own retention, a `default/` subfolder, 7-11 ms per
+save, settings shared with the persistent tier's manager) is not used either.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
-import json
 import logging
-import mmap
 import os
 import re
 import shutil
 import stat
-import sys
 import threading
 import time
 import uuid
-import zlib
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import crc32c
-import numpy as np
-
-from emergency_ckpt import failpoints
-from emergency_ckpt import shards as shards_lib
-from emergency_ckpt.colocated import StagingWindow
+from emergency_ckpt import failpoints, layout, local_format
+from emergency_ckpt.background import Background
 from emergency_ckpt.errors import (
   CorruptCheckpointError,
-  StateMismatchError,
-  TopologyMismatchError,
+  EmergencyCheckpointError,
   UnsafeDirectoryError,
 )
+from emergency_ckpt.local_format import (  # noqa: F401 - TODO(lead): drop re-exports
+  FORMAT,
+  LocalStep,
+  decode_manifest,
+  encode_manifest,
+  verify_step_dir,
+)
 from emergency_ckpt.options import LocalTierOptions
-from emergency_ckpt.topology import Topology, job_key
+from emergency_ckpt.staging import HostSnapshot
+from emergency_ckpt.topology import Topology
+
+if TYPE_CHECKING:
+  from emergency_ckpt.local_handler import LocalCheckpointer
 
 logger = logging.getLogger("emergency_ckpt")
 
-FORMAT = "emergency_ckpt.local/1"
 _STEP_RE = re.compile(r"^step_(\d+)$")
-_CHUNK = 4 << 20  # a written piece is still in cache for its CRC32C
-_PAGE = mmap.PAGESIZE
-
-
-def shard_checksum(data) -> dict:
-  """The checksum record of one shard's bytes (any buffer)."""
-  return {"crc32c": crc32c.crc32c(data)}
-
-
-def checksum_ok(data, record: dict) -> bool:
-  """True if `data` matches the shard record's checksum (CRC32C, or the
-  CRC32 of manifests written before 0.2)."""
-  if "crc32c" in record:
-    return crc32c.crc32c(data) == record["crc32c"]
-  if "crc32" in record:
-    return zlib.crc32(data) == record["crc32"]
-  return False
-
-
-BACKGROUND_NICE = 19
-
-
-def lower_thread_priority() -> None:
-  """Runs the calling thread at the lowest CPU priority (Linux: nice is per
-  thread). For background work that only prepares for later (the next
-  save's staging buffer): on this 2-core machine, preparing at normal
-  priority right after a peer restore made the restore's tail
-  (block_until_ready) a median 0.24-0.34 s instead of 0.12-0.13 s, the whole
-  restore 0.87-0.92 s instead of 0.64-0.66 s (measured when preparing meant
-  allocating and mapping a ramdisk file). Elsewhere a no-op."""
-  if not sys.platform.startswith("linux"):
-    return
-  try:
-    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
-  except OSError as e:  # e.g. a sandbox forbids it: only slower
-    logger.debug("cannot lower the priority of %s: %s", threading.current_thread().name, e)
-
-
-def aligned_empty(nbytes: int) -> np.ndarray:
-  """An uninitialised uint8 buffer whose start is page-aligned (so views at
-  shards.ALIGN offsets can be aliased by jax CPU arrays without a copy)."""
-  raw = np.empty(nbytes + _PAGE, dtype=np.uint8)
-  start = (-raw.ctypes.data) % _PAGE
-  return raw[start : start + nbytes]
 
 
 def secure_makedirs(path: str, *, shared_ok: bool = False) -> None:
@@ -152,38 +119,6 @@ def secure_makedirs(path: str, *, shared_ok: bool = False) -> None:
     )
 
 
-def _canonical(body: dict) -> bytes:
-  return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
-
-
-def encode_manifest(body: dict) -> bytes:
-  return json.dumps({"body": body, "crc32": zlib.crc32(_canonical(body))}).encode()
-
-
-def decode_manifest(raw: bytes, where: str) -> dict:
-  try:
-    doc = json.loads(raw)
-    body = doc["body"]
-    ok = zlib.crc32(_canonical(body)) == doc["crc32"]
-  except (ValueError, KeyError, TypeError) as e:
-    raise CorruptCheckpointError(f"{where}: unreadable manifest ({e})") from None
-  if not ok:
-    raise CorruptCheckpointError(f"{where}: manifest checksum mismatch")
-  if body.get("format") != FORMAT:
-    raise CorruptCheckpointError(f"{where}: unknown format {body.get('format')!r}")
-  return body
-
-
-@dataclasses.dataclass
-class Staged:
-  """A step copied to a host staging buffer, waiting to be written."""
-
-  step: int
-  layout: shards_lib.Layout
-  buffer: np.ndarray
-  stall_s: float
-
-
 @dataclasses.dataclass(frozen=True)
 class WriteResult:
   step: int
@@ -193,114 +128,19 @@ class WriteResult:
   error: str | None = None
 
 
-def _fault_in(buf: np.ndarray) -> None:
-  """Touches every page of `buf` (its contents are garbage either way), so a
-  later copy into it takes no page fault. numpy's large allocations ask for
-  transparent huge pages: 0.03 s per 256 MiB here."""
-  if buf.nbytes:
-    buf[::_PAGE] = 0
-    buf[-1] = 0
-
-
-class _BufferPool:
-  """Reused host staging buffers. At most `count` local writes hold one at a
-  time (acquire blocks while all are writing); a buffer that something else
-  still reads (a background persistent upload, see hold) goes back to the
-  free list only when that reader lets go too."""
-
-  def __init__(self, count: int):
-    self._sem = threading.Semaphore(count)
-    self._count = count
-    self._lock = threading.Lock()
-    self._ready = threading.Condition(self._lock)  # a preallocated buffer landed
-    self._preparing: set[int] = set()  # sizes preallocate() is faulting in now
-    self._free: list[np.ndarray] = []
-    self._holders: dict[int, int] = {}  # id(buffer) -> readers besides the write
-    self._writing: set[int] = set()  # id(buffer) of buffers a local write holds
-
-  def _take_free(self, nbytes: int) -> np.ndarray | None:
-    with self._lock:
-      while nbytes in self._preparing:  # faulting it in here would cost the same, and double it
-        self._ready.wait()
-      i = next((i for i, b in enumerate(self._free) if b.nbytes == nbytes), None)
-      if i is None:
-        self._free.clear()  # the layout changed: drop old sizes
-        return None
-      return self._free.pop(i)
-
-  def acquire(self, nbytes: int) -> np.ndarray:
-    self._sem.acquire()
-    buf = self._take_free(nbytes)
-    if buf is None:  # the first save of a layout without preallocate(): faults in the copy
-      buf = aligned_empty(nbytes)
-    with self._lock:
-      self._writing.add(id(buf))
-    return buf
-
-  def preallocate(self, nbytes: int) -> None:
-    """Makes sure a free, faulted-in buffer of `nbytes` exists (so the next
-    acquire's copy takes no page fault). Blocks on allocating and touching it."""
-    with self._lock:
-      if nbytes in self._preparing or any(b.nbytes == nbytes for b in self._free):
-        return
-      self._preparing.add(nbytes)
-    buf = None
-    try:
-      buf = aligned_empty(nbytes)
-      _fault_in(buf)
-    finally:
-      with self._lock:
-        self._preparing.discard(nbytes)
-        if buf is not None:
-          self._free = [b for b in self._free if b.nbytes == nbytes]
-          self._put_back(buf)
-        self._ready.notify_all()
-
-  def hold(self, buf: np.ndarray) -> None:
-    """One more reader of `buf`; it must call unhold(buf) when done."""
-    with self._lock:
-      self._holders[id(buf)] = self._holders.get(id(buf), 0) + 1
-
-  def unhold(self, buf: np.ndarray) -> None:
-    with self._lock:
-      left = self._holders[id(buf)] - 1
-      if left:
-        self._holders[id(buf)] = left
-        return
-      del self._holders[id(buf)]
-      if id(buf) not in self._writing:
-        self._put_back(buf)
-
-  def _put_back(self, buf: np.ndarray) -> None:
-    if len(self._free) <= self._count:
-      self._free.append(buf)
-
-  def release(self, buf: np.ndarray) -> None:
-    """The local write of `buf` is done (frees a write slot at once)."""
-    with self._lock:
-      self._writing.discard(id(buf))
-      if id(buf) not in self._holders:
-        self._put_back(buf)
-    self._sem.release()
-
-  def clear(self) -> None:
-    with self._lock:
-      self._free.clear()
-
-
-@dataclasses.dataclass(frozen=True)
-class LocalStep:
-  """A verified local step: views into one host buffer, per leaf and index."""
-
-  step: int
-  manifest: dict
-  arrays: list[dict[shards_lib.Index, np.ndarray]]
-
-
 class LocalTier:
   """One process's ramdisk folder. All methods are per process: no collectives."""
 
-  def __init__(self, options: LocalTierOptions, *, run_id: str, topology: Topology):
+  def __init__(
+    self,
+    options: LocalTierOptions,
+    *,
+    run_id: str,
+    topology: Topology,
+    background: Background | None = None,
+  ):
+    """`background`: whose lane "local-write" runs the writes (a private
+    one if None)."""
     self._options = options
     self._topology = topology
     self._run_id = run_id
@@ -310,19 +150,18 @@ class LocalTier:
     secure_makedirs(options.directory, shared_ok=True)  # may be /dev/shm itself
     for p in (os.path.dirname(self.directory), self.directory):
       secure_makedirs(p)
-    self._pool = _BufferPool(options.staging_buffers)
-    self._executor = concurrent.futures.ThreadPoolExecutor(
-      max_workers=1, thread_name_prefix="ec-local-write"
-    )
-    self._preparer = concurrent.futures.ThreadPoolExecutor(
-      max_workers=1, thread_name_prefix="ec-local-prepare", initializer=lower_thread_priority
-    )
+    self._own_background = background is None
+    self._background = Background(topology.log_prefix()) if background is None else background
+    self._writer = self._background.lane("local-write")
     self._spare_lock = threading.Lock()
     self._spares: list[str] = []  # .tmp-spare-* folders, each holding a retired shards.bin
     self._max_spares = options.staging_buffers  # one per write that may run at once
     self._mapped: set[tuple[int, int]] = set()  # (st_dev, st_ino) of files read() mapped
-    self._window = StagingWindow(job_key())  # co-located processes' staging copies
     self._closed = False
+    # Orbax's checkpointer API over this folder alone (local_handler.py).
+    self._checkpointer: LocalCheckpointer = _handler().LocalCheckpointer(
+      process_index=topology.process_index, barrier_prefix=f"ec_local_{run_id}"
+    )
     self._cleanup_tmp()
 
   # ---- listing -------------------------------------------------------------
@@ -338,14 +177,23 @@ class LocalTier:
       return []
     for name in names:
       m = _STEP_RE.match(name)
-      if m and os.path.isfile(os.path.join(self.directory, name, "manifest.json")):
+      if m and os.path.isfile(os.path.join(self.directory, name, local_format.MANIFEST)):
         out.append(int(m.group(1)))
     return sorted(out)
 
   def manifest(self, step: int) -> dict:
-    path = os.path.join(self.step_dir(step), "manifest.json")
-    with open(path, "rb") as f:
-      return decode_manifest(f.read(), path)
+    """The step's manifest body (OSError if absent, CorruptCheckpointError if bad)."""
+    return local_format.read_manifest(self.step_dir(step))
+
+  def step_bytes(self, step: int) -> int | None:
+    """Bytes of `step`'s files, or None if this process holds no such step."""
+    if step not in self.steps():
+      return None
+    d = self.step_dir(step)
+    try:
+      return sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d))
+    except OSError:  # deleted meanwhile
+      return None
 
   def usable_steps(self) -> tuple[list[int], dict[int, str]]:
     """(steps whose manifest is valid and matches this job, {step: why not})."""
@@ -368,81 +216,24 @@ class LocalTier:
     return good, bad
 
   def _cleanup_tmp(self) -> None:
+    """Removes what a crashed incarnation left: saves in progress, spares and
+    deletions (`.tmp-*`), and Orbax's own temporary folders
+    (`*.orbax-checkpoint-tmp*`, e.g. of a plain Orbax save into this folder)."""
     for name in os.listdir(self.directory):
-      if name.startswith(".tmp-"):
-        shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+      if layout.is_tmp_name(name) or layout.ORBAX_TMP_MARK in name:
+        path = os.path.join(self.directory, name)
+        if os.path.islink(path) or not os.path.isdir(path):
+          with contextlib.suppress(OSError):
+            os.unlink(path)
+        else:
+          shutil.rmtree(path, ignore_errors=True)
 
   # ---- save ----------------------------------------------------------------
-  def reserve(self, paths: Sequence[str], arrays: Sequence[Any]) -> tuple:
-    """A staging buffer for this layout, for stage(reserved=...). Blocks
-    while `staging_buffers` local writes are still running: call it before
-    staging() (a write waits for the staging window to close)."""
-    layout = shards_lib.layout_for(paths, arrays)
-    return layout, self._pool.acquire(layout.nbytes)
-
-  def stage(
-    self, step: int, paths: Sequence[str], arrays: Sequence[Any], reserved: tuple | None = None
-  ) -> Staged:
-    """Copies this process's shards to a host staging buffer (`reserved`,
-    from reserve(), or one taken here). Blocks on that copy only (and, if
-    not reserved, on a free buffer while `staging_buffers` writes run)."""
-    t0 = time.perf_counter()
-    layout, buffer = reserved if reserved is not None else self.reserve(paths, arrays)
-    try:
-      shards_lib.stage(arrays, layout, buffer)
-    except BaseException:
-      self._pool.release(buffer)
-      raise
-    return Staged(step, layout, buffer, time.perf_counter() - t0)
-
-  def staging(self):
-    """A context in which this process counts as staging: co-located
-    processes of the job hold their background work until it ends (see
-    colocated.py). Called by: the thread that calls stage(). Never blocks;
-    nothing inside it may wait for this process's own background work
-    (reserve() and the previous upload come first)."""
-    return self._window.staging()
-
-  def wait_others_staged(self, staged: Staged) -> float:
-    """Blocks until no process of this run on this machine is copying a
-    step (capped at 1 s + 4x this process's own copy time); returns the
-    seconds waited. Called by: background threads, before memory-heavy
-    work on `staged` (see colocated.py)."""
-    return self._window.wait_closed(1.0 + 4 * staged.stall_s)
-
-  def prepare(self, paths: Sequence[str], abstract: Sequence[Any]) -> None:
-    """Starts allocating and faulting in (in the background) the staging
-    buffer that a save of this layout copies into, so that the first save
-    does not take a page fault per page inside its stall. Blocks on nothing."""
-    nbytes = shards_lib.layout_for(paths, abstract).nbytes
-    if self._closed or nbytes == 0:
-      return
-    self._preparer.submit(self._pool.preallocate, nbytes)
-
-  def hold(self, staged: Staged) -> Callable[[], None]:
-    """Keeps `staged.buffer` from reuse (for another reader, e.g. a
-    background upload) until the returned function is called, once."""
-    self._pool.hold(staged.buffer)
-    return lambda: self._pool.unhold(staged.buffer)
-
-  def snapshot_arrays(self, staged: Staged, abstract: Sequence[Any]) -> list[Any]:
-    """Global jax.Arrays for `abstract` built from the staged host copy (on
-    CPU they alias it: hold() the buffer while they live)."""
-    return [
-      shards_lib.assemble(
-        a, {slot.index: shards_lib.view(staged.buffer, leaf, slot) for slot in leaf.slots}
-      )
-      for a, leaf in zip(abstract, staged.layout.leaves)
-    ]
-
-  def discard(self, staged: Staged) -> None:
-    """Gives back a staged step that will not be written locally."""
-    self._pool.release(staged.buffer)
-
   def write_async(
-    self, staged: Staged, on_done: Callable[[WriteResult], None] | None = None
+    self, staged: HostSnapshot, on_done: Callable[[WriteResult], None] | None = None
   ) -> concurrent.futures.Future:
-    """Writes a staged step in the background; the future gives a WriteResult."""
+    """Writes a host snapshot in the background, then releases it (its
+    buffer may be reused); the future gives a WriteResult. Blocks on nothing."""
 
     def run() -> WriteResult:
       t0 = time.perf_counter()
@@ -458,167 +249,82 @@ class LocalTier:
         )
         result = WriteResult(staged.step, False, 0, time.perf_counter() - t0, str(e))
       finally:
-        self._pool.release(staged.buffer)
+        staged.release()
       if on_done is not None:
         on_done(result)
       return result
 
-    return self._executor.submit(run)
+    return self._writer.submit(run)
 
-  def _write(self, staged: Staged) -> None:
+  def _write(self, staged: HostSnapshot) -> None:
+    """One save, on the writer thread: Orbax's checkpointer writes the step
+    into a fresh `.tmp-step_<N>-<hex>` folder (into a spare file if one
+    fits) and renames it into place. Raises OSError (the folder is gone)."""
     final = self.step_dir(staged.step)
     failpoints.hit("local.before_write", staged.step)
-    self.wait_others_staged(staged)
-    tmp = self._open_save_dir(staged.step, staged.layout.nbytes)
+    staged.wait_others_staged()
+    if os.path.lexists(final):  # a leftover of an earlier incarnation: Orbax
+      self.delete(staged.step, recycle=True)  # never overwrites; its file may serve
+    spare = self._take_spare(staged.layout.nbytes)
+    args = _handler().LocalShardsSave(
+      staged,
+      run_id=self._run_id,
+      process_index=self._topology.process_index,
+      slice_index=self._topology.slice_index,
+      topology=self._topology.fingerprint(),
+      spare=None if spare is None else os.path.join(spare, local_format.SHARDS),
+    )
     try:
-      crcs = self._write_shards(os.path.join(tmp, "shards.bin"), staged)
-      leaves = []
-      for leaf, leaf_crcs in zip(staged.layout.leaves, crcs):
-        leaves.append(
-          {
-            "path": leaf.path,
-            "shape": list(leaf.shape),
-            "dtype": shards_lib.dtype_name(leaf.dtype),
-            "shards": [
-              {
-                "index": [list(r) for r in slot.index],
-                "offset": slot.offset,
-                "nbytes": slot.nbytes,
-                "crc32c": crc,
-              }
-              for slot, crc in zip(leaf.slots, leaf_crcs)
-            ],
-          }
-        )
-      body = {
-        "format": FORMAT,
-        "step": staged.step,
-        "run_id": self._run_id,
-        "process_index": self._topology.process_index,
-        "slice_index": self._topology.slice_index,
-        "topology": self._topology.fingerprint(),
-        "nbytes": staged.layout.nbytes,
-        "saved_at": time.time(),
-        "leaves": leaves,
-      }
-      with open(os.path.join(tmp, "manifest.json"), "wb") as f:
-        f.write(encode_manifest(body))
-        f.flush()
-        os.fsync(f.fileno())
-      failpoints.hit("local.before_rename", staged.step)
-      if os.path.exists(final):  # a leftover of an earlier incarnation
-        shutil.rmtree(final)
-      os.rename(tmp, final)
-      failpoints.hit("local.after_rename", staged.step)
-    except BaseException:
-      shutil.rmtree(tmp, ignore_errors=True)
-      raise
+      self._checkpointer.save(final, args=args)
+    finally:
+      if spare is not None:  # empty unless the save failed before taking its file
+        shutil.rmtree(spare, ignore_errors=True)
+    failpoints.hit("local.after_rename", staged.step)
 
-  def _open_save_dir(self, step: int, nbytes: int) -> str:
-    """The .tmp-step_<step>-* folder of a save in progress: a spare (a
-    retired step's folder whose shards.bin has exactly `nbytes`) renamed to
-    it, or a new folder."""
-    tmp = os.path.join(self.directory, f".tmp-step_{step}-{uuid.uuid4().hex[:8]}")
+  def _take_spare(self, nbytes: int) -> str | None:
+    """A spare folder whose shards.bin has exactly `nbytes` (taken off the
+    list), or None; spares of another size are removed."""
     while True:
       with self._spare_lock:
         spare = self._spares.pop() if self._spares else None
       if spare is None:
-        os.mkdir(tmp, 0o700)
-        return tmp
+        return None
       try:
-        if os.stat(os.path.join(spare, "shards.bin")).st_size == nbytes:
-          os.rename(spare, tmp)
-          return tmp
+        if os.stat(os.path.join(spare, local_format.SHARDS)).st_size == nbytes:
+          return spare
       except OSError:  # gone (the ramdisk was wiped): try the next one
         pass
       shutil.rmtree(spare, ignore_errors=True)  # another layout's size
 
-  def _write_shards(self, path: str, staged: Staged) -> list[list[int]]:
-    """pwrite()s every shard of the staged buffer to `path` (created, or a
-    recycled file: every byte a shard needs is overwritten; the padding
-    between shards is never read) and returns each shard's CRC32C, computed
-    on the chunk just written while it is still in cache."""
-    buf = staged.buffer
-    nbytes = staged.layout.nbytes
-    crash_at = nbytes // 2 if failpoints.armed("local.mid_write", staged.step) else None
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-    try:
-      crcs = []
-      for leaf in staged.layout.leaves:
-        leaf_crcs = []
-        for slot in leaf.slots:
-          crc, pos, end = 0, slot.offset, slot.offset + slot.nbytes
-          while pos < end:
-            piece = buf[pos : min(end, pos + _CHUNK)]
-            crc = crc32c.crc32c(piece, crc)
-            pos += os.pwrite(fd, piece, pos)
-            if crash_at is not None and pos >= crash_at:
-              failpoints.hit("local.mid_write", staged.step)  # a crash test: half written
-          leaf_crcs.append(crc)
-        crcs.append(leaf_crcs)
-      if os.fstat(fd).st_size != nbytes:  # a new file: its trailing padding
-        os.ftruncate(fd, nbytes)
-      os.fsync(fd)  # a no-op on tmpfs, needed on a disk
-      return crcs
-    finally:
-      os.close(fd)
-
   def wait(self) -> None:
     """Blocks until every queued write finished."""
-    self._executor.submit(lambda: None).result()
-
-  def wait_idle(self) -> None:
-    """wait(), then until a prepared staging buffer is ready too (background
-    work a caller timing CPU or RAM should count)."""
-    self.wait()
-    self._preparer.submit(lambda: None).result()
+    self._writer.submit(lambda: None).result()
 
   # ---- read ----------------------------------------------------------------
   def read(self, step: int, paths: Sequence[str], abstract: Sequence[Any]) -> LocalStep:
-    """Reads and verifies this process's shards of `step` for `abstract`.
-    Its shards.bin is never recycled afterwards (the arrays alias it).
+    """Reads and verifies this process's shards of `step` for `abstract`,
+    through the checkpointer's restore. Its shards.bin is never recycled
+    afterwards (the arrays alias it). Blocks on one checksum pass.
 
-    Raises CorruptCheckpointError (bad bytes), TopologyMismatchError (needed
-    shards absent) or StateMismatchError (tree/shape/dtype differ).
+    Raises CorruptCheckpointError (bad bytes, or not a plain step folder),
+    OSError (files absent), TopologyMismatchError (needed shards absent) or
+    StateMismatchError (tree/shape/dtype differ).
     """
     where = self.step_dir(step)
-    body = self.manifest(step)
-    saved = {leaf["path"]: leaf for leaf in body["leaves"]}
-    check_tree_matches(list(saved), paths, where)
-    layout = shards_lib.layout_for(paths, abstract)
-    with open(os.path.join(where, "shards.bin"), "rb") as f:
-      st = os.fstat(f.fileno())
+
+    def mapped(st: os.stat_result) -> None:
       with self._spare_lock:
         self._mapped.add((st.st_dev, st.st_ino))
-      buf = _map_open(f, body["nbytes"], where)
-    out = []
-    for leaf in layout.leaves:
-      rec = saved[leaf.path]
-      if (
-        tuple(rec["shape"]) != leaf.shape or shards_lib.dtype_from_name(rec["dtype"]) != leaf.dtype
-      ):
-        raise StateMismatchError(
-          f"leaf {leaf.path}: saved as {rec['dtype']}{rec['shape']}, abstract_state"
-          f" asks for {leaf.dtype}{list(leaf.shape)}. Pass the abstract_state"
-          " of the train state that was saved."
-        )
-      by_index = {tuple(tuple(r) for r in s["index"]): s for s in rec["shards"]}
-      arrays = {}
-      for slot in leaf.slots:
-        s = by_index.get(slot.index)
-        if s is None:
-          raise TopologyMismatchError(
-            f"{where}: leaf {leaf.path} has no shard {slot.index}; it was"
-            " saved with another sharding. Restore it from the persistent tier."
-          )
-        data = buf[s["offset"] : s["offset"] + s["nbytes"]]
-        if not checksum_ok(data, s):
-          raise CorruptCheckpointError(
-            f"{where}/shards.bin: leaf {leaf.path} shard {slot.index} fails its checksum"
-          )
-        arrays[slot.index] = data.view(leaf.dtype).reshape(shards_lib.shard_shape(slot.index))
-      out.append(arrays)
-    return LocalStep(step, body, out)
+
+    args = _handler().LocalShardsRestore(abstract=list(abstract), paths=list(paths), on_map=mapped)
+    try:
+      return self._checkpointer.restore(where, args=args)
+    except ValueError as e:  # Orbax's "incomplete checkpoint": LocalTemporaryPath refused it
+      if isinstance(e, EmergencyCheckpointError):
+        raise
+      raise CorruptCheckpointError(
+        f"{where} is not a step folder the local tier wrote (a symlink, or not a folder): {e}"
+      ) from None
 
   # ---- delete --------------------------------------------------------------
   def delete(self, step: int, *, recycle: bool = False) -> None:
@@ -636,7 +342,7 @@ class LocalTier:
     if os.path.islink(doomed):
       return False
     try:
-      st = os.stat(os.path.join(doomed, "shards.bin"), follow_symlinks=False)
+      st = os.stat(os.path.join(doomed, local_format.SHARDS), follow_symlinks=False)
     except OSError:
       return False
     with self._spare_lock:
@@ -651,7 +357,7 @@ class LocalTier:
       try:
         os.rename(doomed, spare)
         for name in os.listdir(spare):
-          if name != "shards.bin":
+          if name != local_format.SHARDS:
             os.unlink(os.path.join(spare, name))
       except OSError:
         return False
@@ -669,74 +375,16 @@ class LocalTier:
     return doomed
 
   def close(self) -> None:
-    """Waits for writes, then removes the spares and drops the staging buffers."""
-    self._executor.shutdown(wait=True)
-    self._preparer.shutdown(wait=True)
+    """Waits for writes, then removes the spares."""
+    self.wait()
+    self._checkpointer.close()
     with self._spare_lock:
       self._closed = True
       spares, self._spares = self._spares, []
     for spare in spares:
       shutil.rmtree(spare, ignore_errors=True)
-    self._pool.clear()
-    self._window.close()
-
-
-def check_tree_matches(saved_paths: Sequence[str], paths: Sequence[str], where: str) -> None:
-  """Raises StateMismatchError naming leaves missing on either side."""
-  if list(saved_paths) == list(paths):
-    return
-  missing = sorted(set(saved_paths) - set(paths))
-  extra = sorted(set(paths) - set(saved_paths))
-  raise StateMismatchError(
-    f"{where}: abstract_state does not match the saved tree."
-    f" Saved but not asked for: {missing[:5]}; asked for but not saved:"
-    f" {extra[:5]}. Pass the abstract_state of the train state that was saved."
-  )
-
-
-def map_file(path: str, nbytes: int, where: str) -> np.ndarray:
-  """`path`'s bytes as a uint8 array backed by a private (copy-on-write)
-  mapping: nothing is copied, and writes through the array never reach the
-  file. Raises CorruptCheckpointError if the size is not `nbytes`."""
-  with open(path, "rb") as f:
-    return _map_open(f, nbytes, where)
-
-
-def _map_open(f, nbytes: int, where: str) -> np.ndarray:
-  size = os.fstat(f.fileno()).st_size
-  if size != nbytes:
-    raise CorruptCheckpointError(
-      f"{where}/shards.bin has the wrong size ({size} bytes, manifest says {nbytes})"
-    )
-  if nbytes == 0:
-    return np.empty(0, dtype=np.uint8)
-  # No MAP_POPULATE: on a writable private mapping it would copy every page.
-  mapped = mmap.mmap(
-    f.fileno(), nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
-  )
-  return np.frombuffer(mapped, dtype=np.uint8)
-
-
-def verify_step_dir(path: str) -> tuple[dict | None, list[str]]:
-  """(manifest body or None, problems) for one local step folder, checking
-  the manifest and every shard's CRC32 without JAX. Any process may call it."""
-  problems: list[str] = []
-  try:
-    with open(os.path.join(path, "manifest.json"), "rb") as f:
-      body = decode_manifest(f.read(), path)
-  except (OSError, CorruptCheckpointError) as e:
-    return None, [str(e)]
-  try:
-    buf = map_file(os.path.join(path, "shards.bin"), body["nbytes"], path)
-  except OSError as e:
-    return body, [f"{path}/shards.bin: {e}"]
-  except CorruptCheckpointError as e:
-    return body, [str(e)]
-  for leaf in body["leaves"]:
-    for s in leaf["shards"]:
-      if not checksum_ok(buf[s["offset"] : s["offset"] + s["nbytes"]], s):
-        problems.append(f"{path}: leaf {leaf['path']} shard {s['index']} fails its checksum")
-  return body, problems
+    if self._own_background:
+      self._background.close()
 
 
 def rename_out_of_namespace(path: str) -> str | None:
@@ -757,6 +405,14 @@ def _remove(doomed: str) -> None:
     os.unlink(doomed)
   else:
     shutil.rmtree(doomed)
+
+
+def _handler() -> Any:
+  """The local_handler module. It loads Orbax, so it is imported when a tier
+  is created (as persistent_tier does), not with this module."""
+  from emergency_ckpt import local_handler  # noqa: PLC0415
+
+  return local_handler
 
 
 def delete_step_dir(path: str) -> None:

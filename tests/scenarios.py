@@ -117,8 +117,9 @@ def options(args: dict) -> ec.CheckpointManagerOptions:
     replica_axis=args.get("replica_axis", "replica"),
     run_id=args.get("run_id", "test-run"),
     collective_timeout_s=args.get("collective_timeout_s", 60),
-    peer_transport=args.get("peer_transport", "stream"),
-    peer_ports=args.get("peer_ports"),
+    peer=ec.PeerOptions(
+      transport=args.get("peer_transport", "stream"), ports=args.get("peer_ports")
+    ),
     state_commit_timeout_s=args.get("state_commit_timeout_s", 30),
   )
 
@@ -184,3 +185,62 @@ def restore_variants(args: dict) -> list[dict]:
     barrier(f"variant-{i}-done")
     out.append(record)
   return out
+
+
+def uneven_local_saves(args: dict) -> dict:
+  """Issue 14: the manager saves args['steps'] (local every step, persistent
+  every 2nd); after each save, process 0 alone writes args['extra'] more
+  local copies through a second LocalTier (its own folder) while the
+  persistent upload runs. Every Orbax checkpointer in a process shares
+  Orbax's operation-id counter, which the persistent tier's barrier keys
+  carry: the local checkpointer must not move it, or the primary slice's
+  barriers diverge and time out. Returns what was saved, what the
+  persistent tier finalized, and how long it all took."""
+  import time  # noqa: PLC0415
+
+  from emergency_ckpt import shards as shards_lib  # noqa: PLC0415
+  from emergency_ckpt.background import Background  # noqa: PLC0415
+  from emergency_ckpt.local_tier import LocalTier  # noqa: PLC0415
+  from emergency_ckpt.staging import StagingArea  # noqa: PLC0415
+
+  mesh = mesh_for(args["slices"])
+  t0 = time.monotonic()
+  extra_ok: list[int] = []
+  error = None
+  with ec.CheckpointManager(options(args), mesh=mesh) as mngr:
+    topo = mngr.topology
+    tier = area = None
+    if pid() == 0:
+      background = Background(topo.log_prefix())
+      extra_dir = os.path.join(args["local_root"], f"extra_{pid()}")
+      tier = LocalTier(
+        ec.LocalTierOptions(directory=extra_dir),
+        run_id="extra",
+        topology=topo,
+        background=background,
+      )
+      area = StagingArea(buffers=1, job=None, preparer=background.lane("prepare"))
+    try:
+      for step in args["steps"]:
+        state = make_state(mesh, step)
+        mngr.save(step, state, data_state=data_state(step))
+        if tier is not None:
+          paths, leaves, _ = shards_lib.leaf_paths(state)
+          for k in range(args.get("extra", 3)):
+            extra_step = step * 100 + k
+            if tier.write_async(area.stage(extra_step, paths, leaves)).result().ok:
+              extra_ok.append(extra_step)
+      mngr.wait_until_finished()
+    except ec.EmergencyCheckpointError as e:
+      error = f"{type(e).__name__}: {e}"
+    finally:
+      if tier is not None:
+        tier.close()
+    tensors = os.path.join(args["persistent"], "tensors")
+    return {
+      "error": error,
+      "persistent": sorted(os.listdir(tensors)) if os.path.isdir(tensors) else [],
+      "all_steps": mngr.all_steps() if error is None else None,
+      "extra": extra_ok,
+      "elapsed_s": round(time.monotonic() - t0, 2),
+    }
