@@ -19,10 +19,11 @@ from emergency_ckpt.errors import ConfigError
 from emergency_ckpt.options import (
   CheckpointManagerOptions,
   LocalTierOptions,
+  PeerOptions,
   PersistentTierOptions,
 )
 
-_NESTED = {"local": LocalTierOptions, "persistent": PersistentTierOptions}
+_NESTED = {"local": LocalTierOptions, "persistent": PersistentTierOptions, "peer": PeerOptions}
 
 
 def _build(cls, data: Mapping[str, Any], where: str):

@@ -53,12 +53,10 @@ import contextlib
 import dataclasses
 import logging
 import os
-import re
 import shutil
 import stat
 import threading
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -69,13 +67,7 @@ from emergency_ckpt.errors import (
   EmergencyCheckpointError,
   UnsafeDirectoryError,
 )
-from emergency_ckpt.local_format import (  # noqa: F401 - TODO(lead): drop re-exports
-  FORMAT,
-  LocalStep,
-  decode_manifest,
-  encode_manifest,
-  verify_step_dir,
-)
+from emergency_ckpt.local_format import LocalStep
 from emergency_ckpt.options import LocalTierOptions
 from emergency_ckpt.staging import HostSnapshot
 from emergency_ckpt.topology import Topology
@@ -84,8 +76,6 @@ if TYPE_CHECKING:
   from emergency_ckpt.local_handler import LocalCheckpointer
 
 logger = logging.getLogger("emergency_ckpt")
-
-_STEP_RE = re.compile(r"^step_(\d+)$")
 
 
 def secure_makedirs(path: str, *, shared_ok: bool = False) -> None:
@@ -144,8 +134,8 @@ class LocalTier:
     self._options = options
     self._topology = topology
     self._run_id = run_id
-    self.directory = os.path.join(
-      os.path.abspath(options.directory), run_id, f"process_{topology.process_index}"
+    self.directory = layout.process_dir(
+      os.path.abspath(options.directory), run_id, topology.process_index
     )
     secure_makedirs(options.directory, shared_ok=True)  # may be /dev/shm itself
     for p in (os.path.dirname(self.directory), self.directory):
@@ -166,20 +156,11 @@ class LocalTier:
 
   # ---- listing -------------------------------------------------------------
   def step_dir(self, step: int) -> str:
-    return os.path.join(self.directory, f"step_{step}")
+    return layout.local_step_dir(self.directory, step)
 
   def steps(self) -> list[int]:
     """Committed steps (folders renamed into place with a manifest)."""
-    out = []
-    try:
-      names = os.listdir(self.directory)
-    except FileNotFoundError:  # the ramdisk was wiped under us
-      return []
-    for name in names:
-      m = _STEP_RE.match(name)
-      if m and os.path.isfile(os.path.join(self.directory, name, local_format.MANIFEST)):
-        out.append(int(m.group(1)))
-    return sorted(out)
+    return layout.list_local_steps(self.directory)
 
   def manifest(self, step: int) -> dict:
     """The step's manifest body (OSError if absent, CorruptCheckpointError if bad)."""
@@ -331,12 +312,12 @@ class LocalTier:
     """Deletes one of this process's steps (renamed away first). With
     `recycle`, its shards.bin is kept as a spare for a later save to write
     into, unless this process mapped it (read()) or enough spares exist."""
-    doomed = rename_out_of_namespace(self.step_dir(step))
+    doomed = layout.rename_out_of_namespace(self.step_dir(step))
     if doomed is None:
       return
     if recycle and self._keep_as_spare(doomed):
       return
-    _remove(doomed)
+    layout.remove_renamed(doomed)
 
   def _keep_as_spare(self, doomed: str) -> bool:
     if os.path.islink(doomed):
@@ -353,7 +334,7 @@ class LocalTier:
         or (st.st_dev, st.st_ino) in self._mapped
       ):
         return False
-      spare = os.path.join(self.directory, f".tmp-spare-{uuid.uuid4().hex[:12]}")
+      spare = os.path.join(self.directory, layout.spare_dir_name())
       try:
         os.rename(doomed, spare)
         for name in os.listdir(spare):
@@ -387,39 +368,9 @@ class LocalTier:
       self._background.close()
 
 
-def rename_out_of_namespace(path: str) -> str | None:
-  """Renames a step folder to a `.tmp-delete-` name beside it (a crash
-  mid-delete never leaves a listed, partial step; the leftover is removed
-  when a manager next starts); returns the new path, or None if absent."""
-  path = os.path.abspath(path)
-  if not os.path.lexists(path):
-    return None
-  parent, name = os.path.split(path)
-  doomed = os.path.join(parent, f".tmp-delete-{name}-{uuid.uuid4().hex[:8]}")
-  os.rename(path, doomed)
-  return doomed
-
-
-def _remove(doomed: str) -> None:
-  if os.path.islink(doomed):  # never follow a planted link
-    os.unlink(doomed)
-  else:
-    shutil.rmtree(doomed)
-
-
 def _handler() -> Any:
   """The local_handler module. It loads Orbax, so it is imported when a tier
   is created (as persistent_tier does), not with this module."""
   from emergency_ckpt import local_handler  # noqa: PLC0415
 
   return local_handler
-
-
-def delete_step_dir(path: str) -> None:
-  """Deletes one local step folder as LocalTier.delete does: renamed out of
-  the step namespace first, then removed. No-op if absent. For offline tools
-  (`emergency-ckpt gc`): raises OSError if the folder cannot be renamed or
-  removed."""
-  doomed = rename_out_of_namespace(path)
-  if doomed is not None:
-    _remove(doomed)

@@ -32,7 +32,7 @@ def _optional_positive_int(value, name: str) -> None:
     _positive_int(value, name)
 
 
-def parse_port_range(value, name: str = "peer_ports") -> tuple[int, int] | None:
+def parse_port_range(value, name: str = "peer.ports") -> tuple[int, int] | None:
   """None, a port (50000 or "50000") or an inclusive range ("50000-50099")
   -> (low, high) or None. Raises InvalidOptionsError naming `name`."""
   if value is None:
@@ -152,6 +152,47 @@ class PersistentTierOptions:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class PeerOptions:
+  """How a slice that lost its ramdisk receives a step from a peer slice."""
+
+  transport: str = "stream"
+  """"stream" (each receiving process pulls its shards over TCP from
+  processes of intact slices, token-authenticated, CRC32C-checked; 0.21 s
+  for 256 MiB per process on this CPU test machine) or "collective" (an XLA
+  collective permute over the replica axis: gloo's TCP on CPU, 0.415 s
+  there; the accelerator network elsewhere; no port of ours to open)."""
+
+  host: str | None = None
+  """Address this process listens on, and peer slices connect to, while it
+  serves a "stream" transfer. None: the address of this host's interface
+  that routes to the JAX coordinator (right for one-NIC hosts; name the
+  host's data-network address when it has several)."""
+
+  ports: str | int | None = None
+  """Ports a "stream" sender may listen on: one port, or an inclusive range
+  "LOW-HIGH" (e.g. "50000-50099") that holds at least as many ports as
+  processes share one host. None: any free port the kernel picks. Set it
+  where hosts open only some ports to each other; a sender that finds no
+  free port in it cannot serve, and the restore falls back to persistent."""
+
+  def __post_init__(self):
+    _require(
+      self.transport in PEER_TRANSPORTS,
+      f"peer.transport must be one of {list(PEER_TRANSPORTS)}, got {self.transport!r}.",
+    )
+    _require(
+      self.host is None or (isinstance(self.host, str) and bool(self.host.strip())),
+      f"peer.host must be a host name or address, or None, got {self.host!r}.",
+    )
+    parse_port_range(self.ports)
+
+  @property
+  def port_range(self) -> tuple[int, int] | None:
+    """ports as (low, high), inclusive; None: any port."""
+    return parse_port_range(self.ports)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class CheckpointManagerOptions:
   """Everything the manager needs; build one per process (directories may differ)."""
 
@@ -170,19 +211,8 @@ class CheckpointManagerOptions:
   job's leftovers. None derives it from persistent.directory (one run per
   persistent directory); restarts of the same run keep the same id."""
 
-  peer_transport: str = "stream"
-  """How a slice that lost its ramdisk gets a step from a peer slice:
-  "stream" (each receiving process pulls its shards over TCP from processes
-  of intact slices, token-authenticated, CRC32C-checked; 0.21 s for 256 MiB
-  per process on this CPU test machine) or "collective" (an XLA collective
-  permute over the replica axis: gloo's TCP on CPU, 0.415 s there; the
-  accelerator network elsewhere; no port of ours to open)."""
-
-  peer_host: str | None = None
-  """Address this process listens on, and peer slices connect to, while it
-  serves a "stream" transfer. None: the address of this host's interface
-  that routes to the JAX coordinator (right for one-NIC hosts; name the
-  host's data-network address when it has several)."""
+  peer: PeerOptions = dataclasses.field(default_factory=PeerOptions)
+  """How a slice that lost its ramdisk gets a step from a peer slice."""
 
   host_id: str | None = None
   """The machine (failure domain) this process runs on, for the check that
@@ -191,13 +221,6 @@ class CheckpointManagerOptions:
   process and container on one machine shares (hostname where there is
   none). Set it where that is wrong, e.g. one id per simulated host when a
   test runs several "hosts" on one machine."""
-
-  peer_ports: str | int | None = None
-  """Ports a "stream" sender may listen on: one port, or an inclusive range
-  "LOW-HIGH" (e.g. "50000-50099") that holds at least as many ports as
-  processes share one host. None: any free port the kernel picks. Set it
-  where hosts open only some ports to each other; a sender that finds no
-  free port in it cannot serve, and the restore falls back to persistent."""
 
   collective_timeout_s: float = 300.0
   """Longest wait for other processes in an exchange (restore agreement,
@@ -260,14 +283,9 @@ class CheckpointManagerOptions:
       f"event_log must be a file path or None, got {self.event_log!r}.",
     )
     _require(
-      self.peer_transport in PEER_TRANSPORTS,
-      f"peer_transport must be one of {list(PEER_TRANSPORTS)}, got {self.peer_transport!r}.",
+      isinstance(self.peer, PeerOptions),
+      "peer must be a PeerOptions.",
     )
-    _require(
-      self.peer_host is None or (isinstance(self.peer_host, str) and bool(self.peer_host.strip())),
-      f"peer_host must be a host name or address, or None, got {self.peer_host!r}.",
-    )
-    parse_port_range(self.peer_ports)
     _require(
       self.host_id is None or (isinstance(self.host_id, str) and bool(self.host_id.strip())),
       f"host_id must be a non-empty string or None (the machine's boot id), got {self.host_id!r}.",
@@ -280,23 +298,17 @@ class CheckpointManagerOptions:
       )
 
   def retention(self, tier: str):
-    """The retention rules of `tier` ("local" or "persistent") as a
-    policies.Retention."""
-    from emergency_ckpt.policies import Retention  # noqa: PLC0415 - avoids a cycle
+    """The retention rules of `tier` ("local" or "persistent")."""
+    from emergency_ckpt.retention import Rules  # noqa: PLC0415 - retention imports errors only
 
     t = getattr(self, tier)
-    return Retention(
+    return Rules(
       max_to_keep=t.max_to_keep,
       keep_period=t.keep_period,
       keep_best=t.keep_best,
       best_metric=self.best_metric,
       best_mode=self.best_mode,
     )
-
-  @property
-  def peer_port_range(self) -> tuple[int, int] | None:
-    """peer_ports as (low, high), inclusive; None: any port."""
-    return parse_port_range(self.peer_ports)
 
   @property
   def effective_run_id(self) -> str:

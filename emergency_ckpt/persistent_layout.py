@@ -140,6 +140,15 @@ def looks_persistent(root: epath.PathLike) -> bool:
   )
 
 
+def write_run_info(root: epath.PathLike, info: Mapping[str, Any]) -> None:
+  """Writes run.json (which run and topology own the root, the save
+  intervals; read by `emergency-ckpt gc` and `inspect`), creating the root.
+  Called by: the primary process, when its manager starts."""
+  root = epath.Path(root)
+  root.mkdir(parents=True, exist_ok=True)
+  storage.write_bytes(layout.run_file(root), json.dumps(dict(info), indent=1).encode())
+
+
 def read_run_info(root: epath.PathLike) -> dict[str, Any] | None:
   """run.json's record (run_id, topology, save intervals), or None if it is
   absent or unreadable. An unreachable bucket raises StorageError."""

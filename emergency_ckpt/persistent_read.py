@@ -25,12 +25,12 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import numpy as np
 from etils import epath
 
+from emergency_ckpt import compat
 from emergency_ckpt import shards as shards_lib
 from emergency_ckpt.errors import CorruptCheckpointError, StateMismatchError
-from emergency_ckpt.local_tier import aligned_empty
+from emergency_ckpt.staging import aligned_empty
 
 METADATA = "_METADATA"
 
@@ -85,11 +85,7 @@ def read(item_dir: epath.Path, abstract_tree: Any, ocp: Any) -> Any:
   writes = []
   for name, future, leaf, by_index in zip(names, opened, layout.leaves, views):
     store = _wait(future.result, name, item_dir)
-    if tuple(store.shape) != leaf.shape or np.dtype(store.dtype.numpy_dtype) != leaf.dtype:
-      raise StateMismatchError(
-        f"leaf {name}: abstract_state asks for {leaf.dtype}{leaf.shape}, {item_dir}"
-        f" holds {np.dtype(store.dtype.numpy_dtype)}{tuple(store.shape)}."
-      )
+    compat.check_leaf(name, store.shape, store.dtype.numpy_dtype, leaf.shape, leaf.dtype, item_dir)
     for slot in leaf.slots:
       if slot.nbytes:
         source = store[tuple(slice(lo, hi) for lo, hi in slot.index)]

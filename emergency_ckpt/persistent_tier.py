@@ -35,17 +35,16 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
-from emergency_ckpt import failpoints, layout, persistent_read, storage
-from emergency_ckpt.errors import StateMismatchError, TopologyError
+from emergency_ckpt import compat, failpoints, layout, persistent_read, storage
+from emergency_ckpt import shards as shards_lib
+from emergency_ckpt.errors import CollectiveTimeoutError
 from emergency_ckpt.options import PersistentTierOptions
 from emergency_ckpt.persistent_layout import (
   cleanup_unfinalized,
   delete_step,
   list_steps,
-  step_bytes,  # noqa: F401 - TODO(lead): manager.py to call persistent_layout.step_bytes
-  wait_finalized,  # noqa: F401 - TODO(lead): manager.py to call persistent_layout.wait_finalized
 )
 from emergency_ckpt.storage import check_bucket
 from emergency_ckpt.topology import Topology
@@ -67,24 +66,10 @@ def _ocp():
 
 
 def check_replicated(tree: Any, replica_axis: str) -> None:
-  """Raises TopologyError unless every leaf is replicated over the replica axis
-  (then the primary slice alone holds a full copy: the shards of replica 0)."""
-  for path, arr in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    sharding = getattr(arr, "sharding", None)
-    if not isinstance(sharding, NamedSharding):
-      raise TopologyError(
-        f"leaf {jax.tree_util.keystr(path)} has a {type(sharding).__name__}; the"
-        " train state must use NamedSharding on the manager's mesh."
-      )
-    for entry in sharding.spec:
-      names = entry if isinstance(entry, tuple) else (entry,)
-      if replica_axis in names:
-        raise TopologyError(
-          f"leaf {jax.tree_util.keystr(path)} is sharded over the replica axis"
-          f" {replica_axis!r}; no single slice holds it, so neither the persistent"
-          " tier nor a peer slice can serve it. Replicate the train state over"
-          " the replica axis."
-        )
+  """Raises TopologyError unless every leaf is replicated over the replica
+  axis (then the primary slice alone holds a full copy: replica 0's shards)."""
+  paths, leaves, _ = shards_lib.leaf_paths(tree)
+  compat.check_replicated(paths, leaves, replica_axis)
 
 
 def _check_matches(metadata: Any, abstract_tree: Any, where: Any) -> None:
@@ -93,30 +78,13 @@ def _check_matches(metadata: Any, abstract_tree: Any, where: Any) -> None:
   shapes)."""
   saved = getattr(metadata, "item_metadata", metadata)
   saved = getattr(saved, "tree", saved)
-  flat_saved = {
-    jax.tree_util.keystr(p): m for p, m in jax.tree_util.tree_flatten_with_path(saved)[0]
+  flat = jax.tree_util.tree_flatten_with_path(saved)[0]
+  recorded = {
+    jax.tree_util.keystr(p): (tuple(getattr(m, "shape", ())), getattr(m, "dtype", None))
+    for p, m in flat
   }
-  flat_want = {
-    jax.tree_util.keystr(p): a for p, a in jax.tree_util.tree_flatten_with_path(abstract_tree)[0]
-  }
-  if set(flat_saved) != set(flat_want):
-    missing = sorted(set(flat_saved) - set(flat_want))[:5]
-    extra = sorted(set(flat_want) - set(flat_saved))[:5]
-    raise StateMismatchError(
-      f"abstract_state does not match the tree saved in {where}: saved leaves missing from"
-      f" it {missing}, leaves it has that were not saved {extra}."
-    )
-  for key, want in flat_want.items():
-    got = flat_saved[key]
-    got_shape, got_dtype = tuple(getattr(got, "shape", ())), getattr(got, "dtype", None)
-    if got_dtype is None:
-      continue
-    if tuple(want.shape) != got_shape or jax.numpy.dtype(want.dtype) != jax.numpy.dtype(got_dtype):
-      raise StateMismatchError(
-        f"leaf {key}: abstract_state asks for {jax.numpy.dtype(want.dtype)}{tuple(want.shape)},"
-        f" {where} holds {jax.numpy.dtype(got_dtype)}{got_shape}. Pass the abstract state"
-        " the run was saved with (restore, then convert)."
-      )
+  paths, abstract, _ = shards_lib.leaf_paths(abstract_tree)
+  compat.check_state(recorded, paths, abstract, where, ordered=False)
 
 
 class PersistentTier:
@@ -297,9 +265,24 @@ class PersistentTier:
   def _translate(self, e: BaseException) -> BaseException:
     return storage.translate(e, what=f"uploading step {self._saving_step} to", path=self.directory)
 
-  def wait_until_finished(self) -> None:
-    """Blocks until the last upload is durable; re-raises its error."""
-    self._wait_all()
+  def wait_until_finished(self, probe: Callable[[], Any] = lambda: None) -> None:
+    """Blocks until the last upload is durable; re-raises its error. If
+    Orbax's barrier timed out (it raises an untyped error carrying the
+    coordination service's DEADLINE_EXCEEDED), calls `probe()` (an exchange
+    that names missing processes, raising CollectiveTimeoutError) and else
+    raises CollectiveTimeoutError saying one process was only slow."""
+    try:
+      self._wait_all()
+    except Exception as e:
+      text = str(e)
+      if not (isinstance(e, TimeoutError) or "DEADLINE" in text or "timed out" in text.lower()):
+        raise
+      probe()
+      raise CollectiveTimeoutError(
+        f"{self._topology.log_prefix()} the persistent upload's barrier timed out ({e});"
+        " every process of the primary slice answered afterwards, so one was only slow:"
+        " raise collective_timeout_s."
+      ) from e
 
   def in_flight(self) -> concurrent.futures.Future | None:
     """The background upload started last (done or not), or None."""

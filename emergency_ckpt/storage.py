@@ -314,9 +314,6 @@ def write_bytes(path: epath.PathLike, data: bytes, *, policy: RetryPolicy | None
   os.replace(os.fspath(tmp), os.fspath(path))
 
 
-atomic_write = write_bytes  # TODO(lead): wire manager.py to write_bytes, then drop this alias
-
-
 def read_bytes(path: epath.PathLike, *, policy: RetryPolicy | None = None) -> bytes:
   """The object's bytes, read fresh. Raises FileNotFoundError if it is absent
   (on GCS a StorageNotFoundError, which also names bucket and operation)."""

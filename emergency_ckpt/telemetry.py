@@ -98,7 +98,9 @@ class EventLog:
   """
 
   def __init__(self, path: str | os.PathLike | None, *, process: int, slice: int):
-    self.path = None if path is None else os.fspath(path)
+    """`path`: the JSON-lines file ("{process}" in it becomes `process`), or
+    None for Python logging only."""
+    self.path = None if path is None else os.fspath(path).replace("{process}", str(process))
     self.process = process
     self.slice = slice
     self._lock = threading.Lock()

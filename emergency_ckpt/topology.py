@@ -315,7 +315,7 @@ def peer_host(override: str | None) -> str | None:
       s.connect(addr)
       return s.getsockname()[0]
   except OSError as e:
-    logger.warning("cannot find the address that routes to %s (%s); set peer_host", host, e)
+    logger.warning("cannot find the address that routes to %s (%s); set peer.host", host, e)
     return None
 
 

@@ -31,6 +31,7 @@ import emergency_ckpt as ec
 from emergency_ckpt import topology as topology_lib
 from emergency_ckpt.testing.launcher import job_output_dir, read_pid
 from tests import scenarios as sc
+from tests.helpers import barrier
 
 # ---- plumbing -------------------------------------------------------------------
 
@@ -45,14 +46,6 @@ def use_namespace(tag: str) -> None:
 
 def me() -> int:
   return jax.process_index()
-
-
-def barrier(name: str, timeout_s: float = 120) -> None:
-  """A coordination-service barrier (no XLA), for set-up steps between scenarios."""
-  if jax.process_count() == 1:
-    return
-  client = jax._src.distributed.global_state.client  # noqa: SLF001
-  client.wait_at_barrier(f"ec-fault/{name}", int(timeout_s * 1000))
 
 
 def sibling_pid(process: int) -> int:

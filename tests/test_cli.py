@@ -16,7 +16,7 @@ import zlib
 
 import pytest
 
-from emergency_ckpt import cli, layout, local_tier
+from emergency_ckpt import cli, layout, local_format
 from emergency_ckpt.state_store import StateStore
 from emergency_ckpt.telemetry import EventLog
 
@@ -32,7 +32,7 @@ def local_step(root, step, process=0, run=RUN, nbytes=64) -> str:
   with open(os.path.join(d, "shards.bin"), "wb") as f:
     f.write(data)
   body = {
-    "format": local_tier.FORMAT,
+    "format": local_format.FORMAT,
     "step": step,
     "run_id": run,
     "process_index": process,
@@ -52,7 +52,7 @@ def local_step(root, step, process=0, run=RUN, nbytes=64) -> str:
     ],
   }
   with open(os.path.join(d, "manifest.json"), "wb") as f:
-    f.write(local_tier.encode_manifest(body))
+    f.write(local_format.encode_manifest(body))
   return d
 
 
@@ -427,13 +427,13 @@ def test_folder_commands_import_neither_jax_nor_orbax(tmp_path, argv):
 
 def test_delete_step_dir(tmp_path):
   d = local_step(tmp_path, 10)
-  local_tier.delete_step_dir(d)
+  layout.delete_local_step_dir(d)
   assert os.listdir(os.path.dirname(d)) == []
-  local_tier.delete_step_dir(d)  # absent: no-op
+  layout.delete_local_step_dir(d)  # absent: no-op
   target = local_step(tmp_path, 20, process=1)
   link = os.path.join(os.path.dirname(d), "step_30")
   os.symlink(target, link)
-  local_tier.delete_step_dir(link)  # the link goes, never its target
+  layout.delete_local_step_dir(link)  # the link goes, never its target
   assert os.listdir(os.path.dirname(d)) == [] and os.path.isdir(target)
 
 
@@ -645,14 +645,14 @@ def test_every_command_has_help(cmd, capsys):
 
 
 class FakeBench:
-  """Stands in for benchmarks.run.main: records argv, reports jobs."""
+  """Stands in for emergency_ckpt.bench.run.main: records argv, reports jobs."""
 
   def __init__(self, fail=()):
     self.argv = None
     self.fail = fail
 
   def __call__(self, argv, on_job=None):
-    from benchmarks import run  # noqa: PLC0415
+    from emergency_ckpt.bench import run  # noqa: PLC0415
 
     args = run.parse_args(argv)
     self.argv = argv
@@ -673,7 +673,7 @@ class FakeBench:
 
 
 def test_bench_wiring_and_progress(tmp_path, capsys, monkeypatch):
-  run = pytest.importorskip("benchmarks.run")
+  run = pytest.importorskip("emergency_ckpt.bench.run")
   fake = FakeBench()
   monkeypatch.setattr(run, "main", fake)
   out = tmp_path / "bench"
@@ -706,7 +706,7 @@ def test_bench_wiring_and_progress(tmp_path, capsys, monkeypatch):
 
 
 def test_bench_failed_main_skips_its_restarts(tmp_path, capsys, monkeypatch):
-  run = pytest.importorskip("benchmarks.run")
+  run = pytest.importorskip("emergency_ckpt.bench.run")
   monkeypatch.setattr(run, "main", FakeBench(fail=("emergency_ckpt-main",)))
   rc = cli.main(
     [

@@ -64,7 +64,7 @@ EXPECTED = {
     "replica_axis": "replica",
     "run_id": "llm-7b.run_42",
     "collective_timeout_s": 900,
-    "peer_transport": "stream",
+    "peer.transport": "stream",
     "state_commit_timeout_s": 900,
     "local.directory": "/dev/shm/emergency_ckpt",
     "local.save_interval_steps": 100,

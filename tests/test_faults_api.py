@@ -9,36 +9,18 @@ import dataclasses
 import os
 import stat
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import emergency_ckpt as ec
 from emergency_ckpt import failpoints, local_tier
 from tests.fault_matrix import excerpt
+from tests.helpers import abstract as _abstract
 from tests.single_slice import state as _state
 
 PACKAGE = os.path.join(
   os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "emergency_ckpt"
 )
-
-
-@pytest.fixture
-def options(shm_dir):
-  return ec.CheckpointManagerOptions(
-    local=ec.LocalTierOptions(directory=os.path.join(shm_dir, "local"), save_interval_steps=2),
-    persistent=ec.PersistentTierOptions(
-      directory=os.path.join(shm_dir, "persistent"), save_interval_steps=4
-    ),
-    run_id="api",
-  )
-
-
-def _abstract(mesh):
-  return {"w": jax.ShapeDtypeStruct((4, 2), jnp.float32, sharding=NamedSharding(mesh, P()))}
 
 
 def _raises(kind, fn, *needles, n: int = 160) -> tuple[bool, str]:

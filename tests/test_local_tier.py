@@ -18,6 +18,7 @@ import stat  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
+import weakref  # noqa: E402
 import zlib  # noqa: E402
 
 import jax  # noqa: E402
@@ -27,24 +28,19 @@ import pytest  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from emergency_ckpt import local_tier as local_tier_lib  # noqa: E402
 from emergency_ckpt import shards as shards_lib  # noqa: E402
+from emergency_ckpt import staging as staging_lib  # noqa: E402
+from emergency_ckpt.background import Background  # noqa: E402
 from emergency_ckpt.errors import (  # noqa: E402
   CorruptCheckpointError,
   StateMismatchError,
   TopologyMismatchError,
   UnsafeDirectoryError,
 )
-from emergency_ckpt.local_tier import (  # noqa: E402
-  LocalTier,
-  _BufferPool,
-  aligned_empty,
-  decode_manifest,
-  encode_manifest,
-  map_file,
-  secure_makedirs,
-)
+from emergency_ckpt.local_format import decode_manifest, encode_manifest, map_file  # noqa: E402
+from emergency_ckpt.local_tier import LocalTier, secure_makedirs  # noqa: E402
 from emergency_ckpt.options import LocalTierOptions  # noqa: E402
+from emergency_ckpt.staging import BufferPool, StagingArea, aligned_empty  # noqa: E402
 from emergency_ckpt.topology import topology_from_mesh  # noqa: E402
 from tests.helpers import abstract_of  # noqa: E402
 
@@ -122,8 +118,25 @@ def state(mesh):
   }
 
 
+_STAGING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def make_tier(directory, topo, **kw):
-  return LocalTier(LocalTierOptions(directory=directory, **kw), run_id=RUN_ID, topology=topo)
+  """A LocalTier and (staging_of(tier)) the staging area its saves copy into."""
+  background = Background()
+  tier = LocalTier(
+    LocalTierOptions(directory=directory, **kw), run_id=RUN_ID, topology=topo, background=background
+  )
+  _STAGING[tier] = StagingArea(
+    buffers=tier._options.staging_buffers,
+    job=None,
+    preparer=background.lane("prepare", low_priority=True),
+  )
+  return tier
+
+
+def staging_of(tier) -> StagingArea:
+  return _STAGING[tier]
 
 
 @pytest.fixture
@@ -135,7 +148,7 @@ def tier(shm_dir, topo):
 
 def save(tier, step, tree):
   paths, leaves, _ = shards_lib.leaf_paths(tree)
-  staged = tier.stage(step, paths, leaves)
+  staged = staging_of(tier).stage(step, paths, leaves)
   results = []
   fut = tier.write_async(staged, on_done=results.append)
   tier.wait()
@@ -683,7 +696,7 @@ def test_staging_buffers_are_page_aligned():
 def test_held_buffer_is_not_reused_until_released():
   """A buffer a background reader holds (the persistent upload) never goes
   to the next save while held, but comes back once released."""
-  pool = _BufferPool(1)
+  pool = BufferPool(1)
   a = pool.acquire(64)
   pool.hold(a)
   pool.release(a)  # the local write finished; the reader still holds `a`
@@ -696,7 +709,7 @@ def test_held_buffer_is_not_reused_until_released():
 
 
 def test_acquire_blocks_only_on_writes_not_on_readers():
-  pool = _BufferPool(1)
+  pool = BufferPool(1)
   a = pool.acquire(8)
   pool.hold(a)
   pool.release(a)
@@ -810,12 +823,12 @@ def test_prepare_preallocates_the_staging_buffer_faulted_in(tier, mesh):
   value = np.arange(4 << 20, dtype=np.uint32)  # 16 MiB
   big = {"x": jax.device_put(value, NamedSharding(mesh, P("data")))}
   paths, leaves, _ = shards_lib.leaf_paths(big)
-  tier.prepare(paths, leaves)
-  tier.wait_idle()
-  (prepared,) = tier._pool._free
+  staging_of(tier).prepare(paths, leaves)
+  staging_of(tier).wait_prepared()
+  (prepared,) = staging_of(tier)._pool._free
   assert prepared.nbytes == value.nbytes
   assert _vma_rss_kib(prepared.ctypes.data) >= value.nbytes // 1024
-  staged = tier.stage(1, paths, leaves)
+  staged = staging_of(tier).stage(1, paths, leaves)
   assert staged.buffer is prepared
   tier.write_async(staged).result()
   assert same_bits(restore(tier, 1, abstract_of(big)), big)
@@ -828,7 +841,7 @@ def test_the_staging_buffer_is_prepared_at_the_lowest_cpu_priority(tier, state, 
   own thread keeps its priority."""
   before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
   nice = {}
-  real = local_tier_lib._fault_in
+  real = staging_lib._fault_in
 
   def fault_in(buf):  # runs on the preparing thread
     nice[threading.current_thread().name] = os.getpriority(
@@ -836,13 +849,13 @@ def test_the_staging_buffer_is_prepared_at_the_lowest_cpu_priority(tier, state, 
     )
     real(buf)
 
-  monkeypatch.setattr(local_tier_lib, "_fault_in", fault_in)
+  monkeypatch.setattr(staging_lib, "_fault_in", fault_in)
   paths, leaves, _ = shards_lib.leaf_paths(state)
-  tier.prepare(paths, leaves)
-  tier.wait_idle()
+  staging_of(tier).prepare(paths, leaves)
+  staging_of(tier).wait_prepared()
   ((name, value),) = nice.items()
-  assert name.startswith("ec-local-prepare"), name
-  assert value == local_tier_lib.BACKGROUND_NICE
+  assert name.startswith("ec-prepare"), name
+  assert value == staging_lib.BACKGROUND_NICE
   assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
 
 
@@ -861,11 +874,11 @@ def test_a_failed_write_lists_nothing_and_frees_its_buffer(tier, state, monkeypa
 
   monkeypatch.setattr(os, "pwrite", full)
   paths, leaves, _ = shards_lib.leaf_paths(state)
-  staged = tier.stage(1, paths, leaves)
+  staged = staging_of(tier).stage(1, paths, leaves)
   result = tier.write_async(staged).result()
   assert not result.ok and "No space left" in result.error
   assert os.listdir(tier.directory) == []
-  staged2 = tier.stage(2, paths, leaves)
+  staged2 = staging_of(tier).stage(2, paths, leaves)
   assert staged2.buffer is staged.buffer
   assert tier.write_async(staged2).result().ok
   assert same_bits(restore(tier, 2, abstract_of(state)), state)
@@ -888,17 +901,17 @@ def test_an_upload_holding_the_buffer_keeps_it_from_the_next_save(tier, state):
   unchanged until it lets go, even when the next save comes first; then the
   buffer serves saves again."""
   paths, leaves, _ = shards_lib.leaf_paths(state)
-  staged = tier.stage(1, paths, leaves)
+  staged = staging_of(tier).stage(1, paths, leaves)
   snapshot = bytes(staged.buffer)
-  release = tier.hold(staged)
+  release = staged.hold()
   tier.write_async(staged).result()
   _, other, _ = shards_lib.leaf_paths(_scaled(state, 0x77))
-  staged2 = tier.stage(2, paths, other)
+  staged2 = staging_of(tier).stage(2, paths, other)
   assert staged2.buffer is not staged.buffer
   assert bytes(staged.buffer) == snapshot
   tier.write_async(staged2).result()
   release()
-  staged3 = tier.stage(3, paths, leaves)
+  staged3 = staging_of(tier).stage(3, paths, leaves)
   assert staged3.buffer is staged.buffer or staged3.buffer is staged2.buffer
   tier.write_async(staged3).result()
 
@@ -910,7 +923,7 @@ def test_a_save_during_prepare_takes_the_prepared_buffer(tier, mesh, monkeypatch
   big = {"x": jax.device_put(value, NamedSharding(mesh, P("data")))}
   paths, leaves, _ = shards_lib.leaf_paths(big)
   started, release, prepared = threading.Event(), threading.Event(), threading.Event()
-  real = local_tier_lib._fault_in
+  real = staging_lib._fault_in
 
   def slow_fault_in(buf):
     started.set()
@@ -918,9 +931,9 @@ def test_a_save_during_prepare_takes_the_prepared_buffer(tier, mesh, monkeypatch
     real(buf)
     prepared.set()
 
-  monkeypatch.setattr(local_tier_lib, "_fault_in", slow_fault_in)
+  monkeypatch.setattr(staging_lib, "_fault_in", slow_fault_in)
   reached = threading.Event()  # the save waits for a prepared buffer, or returned
-  pool = tier._pool
+  pool = staging_of(tier)._pool
 
   class Ready(threading.Condition):  # the pool's "a prepared buffer landed"
     def wait(self, timeout=None):
@@ -928,12 +941,12 @@ def test_a_save_during_prepare_takes_the_prepared_buffer(tier, mesh, monkeypatch
       return super().wait(timeout)
 
   pool._ready = Ready(pool._lock)
-  tier.prepare(paths, leaves)
+  staging_of(tier).prepare(paths, leaves)
   assert started.wait(10)
   got = {}
 
   def save():
-    staged = tier.stage(1, paths, leaves)
+    staged = staging_of(tier).stage(1, paths, leaves)
     got.update(staged=staged, after_prepare=prepared.is_set())
     reached.set()
 
@@ -944,5 +957,8 @@ def test_a_save_during_prepare_takes_the_prepared_buffer(tier, mesh, monkeypatch
   t.join(10)
   assert got["after_prepare"]  # the save waited for the buffer being prepared
   tier.write_async(got["staged"]).result()
-  tier.wait_idle()
-  assert len(tier._pool._free) == 1 and tier._pool._free[0] is got["staged"].buffer
+  staging_of(tier).wait_prepared()
+  assert (
+    len(staging_of(tier)._pool._free) == 1
+    and staging_of(tier)._pool._free[0] is got["staged"].buffer
+  )

@@ -112,7 +112,7 @@ def test_restore_prepares_the_first_saves_staging_buffer(options, mesh, how):
     else:
       mngr.prepare(_abstract(mesh))
     mngr.wait_until_finished()  # includes background preparation
-    pool = mngr._local._pool
+    pool = mngr._staging._pool
     (prepared,) = pool._free
     assert prepared.nbytes >= 4 * 2 * 4  # the (4, 2) float32 leaf (slots aligned)
     assert mngr.save(2, _state(mesh, 2.0)) is True
@@ -131,11 +131,12 @@ def test_background_work_waits_for_a_colocated_save(options, mesh, monkeypatch):
   import time  # noqa: PLC0415
   import types  # noqa: PLC0415
 
-  from emergency_ckpt import colocated, local_tier  # noqa: PLC0415
+  from emergency_ckpt import colocated  # noqa: PLC0415
+  from emergency_ckpt import manager as manager_lib  # noqa: PLC0415
   from emergency_ckpt.colocated import StagingWindow  # noqa: PLC0415
 
   job = f"test-job-{os.getpid()}"  # as if a process of a multi-process job
-  monkeypatch.setattr(local_tier, "job_key", lambda: job)
+  monkeypatch.setattr(manager_lib, "job_key", lambda: job)
   other = StagingWindow(job)
   assert other.enabled
   inside, leave = threading.Event(), threading.Event()
@@ -201,9 +202,10 @@ def test_back_to_back_saves_never_wait_out_the_staging_window(options, mesh, mon
   before it opens the staging window: its own background work (which waits
   for the window to close) is never what it waits for inside the window, so
   no wait for the window ends by its cap."""
-  from emergency_ckpt import colocated, local_tier  # noqa: PLC0415
+  from emergency_ckpt import colocated  # noqa: PLC0415
+  from emergency_ckpt import manager as manager_lib  # noqa: PLC0415
 
-  monkeypatch.setattr(local_tier, "job_key", lambda: f"test-job-{os.getpid()}")
+  monkeypatch.setattr(manager_lib, "job_key", lambda: f"test-job-{os.getpid()}")
   waits = []
   real = colocated.StagingWindow.wait_closed
 

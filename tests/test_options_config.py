@@ -14,6 +14,7 @@ from emergency_ckpt.options import (
   _RUN_ID_RE,
   CheckpointManagerOptions,
   LocalTierOptions,
+  PeerOptions,
   PersistentTierOptions,
 )
 
@@ -144,18 +145,18 @@ INVALID = [
     lambda: manager(state_commit_timeout_s=None),
     "state_commit_timeout_s",
   ),
-  ("peer_transport_unknown", lambda: manager(peer_transport="rdma"), "peer_transport"),
-  ("peer_transport_none", lambda: manager(peer_transport=None), "peer_transport"),
-  ("peer_host_empty", lambda: manager(peer_host=" "), "peer_host"),
-  ("peer_host_not_str", lambda: manager(peer_host=10), "peer_host"),
+  ("peer_transport_unknown", lambda: PeerOptions(transport="rdma"), "peer.transport"),
+  ("peer_transport_none", lambda: PeerOptions(transport=None), "peer.transport"),
+  ("peer_host_empty", lambda: PeerOptions(host=" "), "peer.host"),
+  ("peer_host_not_str", lambda: PeerOptions(host=10), "peer.host"),
   ("host_id_empty", lambda: manager(host_id=""), "host_id"),
-  ("peer_ports_word", lambda: manager(peer_ports="fast"), "peer_ports"),
-  ("peer_ports_zero", lambda: manager(peer_ports=0), "peer_ports"),
-  ("peer_ports_too_high", lambda: manager(peer_ports="65000-70000"), "peer_ports"),
-  ("peer_ports_reversed", lambda: manager(peer_ports="50010-50000"), "peer_ports"),
-  ("peer_ports_open_end", lambda: manager(peer_ports="50000-"), "peer_ports"),
-  ("peer_ports_bool", lambda: manager(peer_ports=True), "peer_ports"),
-  ("peer_ports_float", lambda: manager(peer_ports=5.0e4), "peer_ports"),
+  ("peer_ports_word", lambda: PeerOptions(ports="fast"), "peer.ports"),
+  ("peer_ports_zero", lambda: PeerOptions(ports=0), "peer.ports"),
+  ("peer_ports_too_high", lambda: PeerOptions(ports="65000-70000"), "peer.ports"),
+  ("peer_ports_reversed", lambda: PeerOptions(ports="50010-50000"), "peer.ports"),
+  ("peer_ports_open_end", lambda: PeerOptions(ports="50000-"), "peer.ports"),
+  ("peer_ports_bool", lambda: PeerOptions(ports=True), "peer.ports"),
+  ("peer_ports_float", lambda: PeerOptions(ports=5.0e4), "peer.ports"),
   ("host_id_not_str", lambda: manager(host_id=3), "host_id"),
 ]
 
@@ -455,13 +456,13 @@ def test_field_docs_of_a_nested_class():
   ],
 )
 def test_peer_ports_parse(value, want):
-  assert manager(peer_ports=value).peer_port_range == want
+  assert PeerOptions(ports=value).port_range == want
 
 
 def test_peer_ports_from_yaml_and_override(tmp_path):
   path = tmp_path / "c.yaml"
   path.write_text(
-    "local: {directory: /dev/shm/x}\npersistent: {directory: /tmp/p}\npeer_ports: 50000-50007\n"
+    "local: {directory: /dev/shm/x}\npersistent: {directory: /tmp/p}\npeer: {ports: 50000-50007}\n"
   )
-  assert load_config(path).peer_port_range == (50000, 50007)
-  assert load_config(path, ["peer_ports=6000"]).peer_port_range == (6000, 6000)
+  assert load_config(path).peer.port_range == (50000, 50007)
+  assert load_config(path, ["peer.ports=6000"]).peer.port_range == (6000, 6000)

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from emergency_ckpt.errors import TopologyError
-from emergency_ckpt.peer import _carrier, routes
+from emergency_ckpt.peer.collective import _carrier
+from emergency_ckpt.peer.routing import routes
 
 
 def _check(intact, lost):

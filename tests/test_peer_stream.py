@@ -9,10 +9,11 @@ import socket
 import numpy as np
 import pytest
 
-from emergency_ckpt import peer_stream
 from emergency_ckpt import shards as shards_lib
 from emergency_ckpt.errors import CorruptCheckpointError, PeerTransferError
-from emergency_ckpt.local_tier import LocalStep, shard_checksum
+from emergency_ckpt.local_format import LocalStep, shard_checksum
+from emergency_ckpt.peer import routing
+from emergency_ckpt.peer import stream as peer_stream
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +44,7 @@ def _layout(mesh: np.ndarray, slice_: int, leaves: int, nbytes: int = 64) -> sha
 
 def test_plan_pulls_from_the_process_at_the_same_coordinates():
   mesh = _mesh(2, 4, 2)  # 2 slices x 2 processes x 2 devices
-  plan = peer_stream.plan_pulls(_layout(mesh, 1, 3), mesh, 0, [0], rank=0)
+  plan = routing.plan_pulls(_layout(mesh, 1, 3), mesh, 0, [0], rank=0)
   # process 2 (slice 1, devices 4-5) mirrors process 0 (devices 0-1), process 3 mirrors 1
   assert sorted(plan) == [0, 1]
   assert {slot.devices[0].process_index for _, slot in plan[0]} == {2}
@@ -53,7 +54,7 @@ def test_plan_pulls_from_the_process_at_the_same_coordinates():
 
 def test_plan_pulls_spreads_over_intact_slices():
   mesh = _mesh(4, 2, 2)  # 4 slices of one process with 2 devices
-  plan = peer_stream.plan_pulls(_layout(mesh, 3, 4), mesh, 0, [0, 1, 2], rank=0)
+  plan = routing.plan_pulls(_layout(mesh, 3, 4), mesh, 0, [0, 1, 2], rank=0)
   counts = {sender: len(items) for sender, items in plan.items()}
   assert counts == {0: 3, 1: 3, 2: 2}  # 8 shards over 3 senders
   every = sorted((leaf, slot.index) for items in plan.values() for leaf, slot in items)
@@ -62,8 +63,8 @@ def test_plan_pulls_spreads_over_intact_slices():
 
 def test_plan_pulls_rank_rotates_the_first_sender():
   mesh = _mesh(4, 2, 2)
-  a = peer_stream.plan_pulls(_layout(mesh, 2, 1), mesh, 0, [0, 1], rank=0)
-  b = peer_stream.plan_pulls(_layout(mesh, 3, 1), mesh, 0, [0, 1], rank=1)
+  a = routing.plan_pulls(_layout(mesh, 2, 1), mesh, 0, [0, 1], rank=0)
+  b = routing.plan_pulls(_layout(mesh, 3, 1), mesh, 0, [0, 1], rank=1)
   first = lambda plan: min(plan, key=lambda s: min(slot.offset for _, slot in plan[s]))  # noqa: E731
   assert first(a) != first(b)
 
@@ -71,7 +72,7 @@ def test_plan_pulls_rank_rotates_the_first_sender():
 def test_plan_pulls_needs_an_intact_slice():
   mesh = _mesh(2, 2, 2)
   with pytest.raises(PeerTransferError):
-    peer_stream.plan_pulls(_layout(mesh, 1, 1), mesh, 0, [], rank=0)
+    routing.plan_pulls(_layout(mesh, 1, 1), mesh, 0, [], rank=0)
 
 
 # ---- the wire protocol ---------------------------------------------------------------
@@ -216,7 +217,7 @@ def test_peer_host_unresolvable_coordinator_is_none(coordinator, caplog):
 
   coordinator("no-such-host.invalid:1234")
   assert peer_host(None) is None
-  assert "set peer_host" in caplog.text
+  assert "set peer.host" in caplog.text
 
 
 def test_a_malformed_request_is_refused_without_killing_the_server(served):
@@ -279,5 +280,5 @@ def test_the_server_listens_within_peer_ports_and_skips_a_busy_port():
 def test_a_full_peer_ports_range_names_the_option():
   local, paths, _ = _local()
   low = _free_port_run(1)
-  with _held(low), pytest.raises(OSError, match=f"no free port in peer_ports {low}-{low}"):
+  with _held(low), pytest.raises(OSError, match=f"no free port in peer.ports {low}-{low}"):
     peer_stream.Server("127.0.0.1", local, paths, timeout_s=10, log_prefix="[t]", ports=(low, low))

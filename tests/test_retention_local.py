@@ -4,8 +4,31 @@ import os
 
 import pytest
 
-from emergency_ckpt.policies import keep_local
+from emergency_ckpt import retention
 from emergency_ckpt.testing.launcher import run_job
+
+
+def keep_local(steps, k, committed):
+  """retention.local_plan's keep, given the newest committed step."""
+  plan = retention.local_plan(
+    steps,
+    retention.Rules(max_to_keep=k),
+    is_committed=lambda s: committed is not None and s <= committed,
+  )
+  return set(plan.keep)
+
+
+def keep_state(listed, committed, persistent, *, local_keep, persistent_interval):
+  """retention.state_plan's keep, as the manager calls it."""
+  plan = retention.state_plan(
+    listed,
+    committed,
+    retention.Rules(max_to_keep=local_keep),
+    persistent=persistent,
+    persistent_interval=persistent_interval,
+    extra_newest=retention.LOCAL_LAG_STEPS,
+  )
+  return set(plan.keep)
 
 
 @pytest.mark.parametrize(
@@ -24,8 +47,6 @@ def test_keep_local(steps, k, committed, want):
 
 
 def test_keep_state_keeps_persistent_recent_and_in_flight():
-  from emergency_ckpt.policies import keep_state
-
   listed = list(range(5, 45, 5))  # 5..40
   keep = keep_state(
     listed,

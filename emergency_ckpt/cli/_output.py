@@ -108,7 +108,3 @@ class Progress:
         self.stream.write("\r" + " " * self._shown + "\r")
         self.stream.flush()
         self._shown = 0
-
-
-# TODO(lead): cli/bench.py and cli/report.py to import the public names, then drop these.
-_Style, _grid, _mib, _secs, _Progress = Style, grid, mib, secs, Progress

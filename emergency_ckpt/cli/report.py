@@ -12,7 +12,7 @@ import sys
 from typing import Any
 
 from emergency_ckpt import telemetry
-from emergency_ckpt.cli._output import _grid, _secs, _Style
+from emergency_ckpt.cli._output import Style, grid, secs
 
 
 def _is_num(v: Any) -> bool:
@@ -170,7 +170,7 @@ def _restores_of(events: list[dict[str, Any]], process: Any) -> list[dict[str, A
   return [e for e in events if e["event"] == "restore" and e.get("process") == process]
 
 
-def _report_text(s: dict[str, Any], files: list[str], style: _Style) -> str:
+def _report_text(s: dict[str, Any], files: list[str], style: Style) -> str:
   out = []
   title = f"run {', '.join(s['run_ids']) or '(no run_start event)'}"
   out.append(style(title, "bold"))
@@ -190,8 +190,8 @@ def _report_text(s: dict[str, Any], files: list[str], style: _Style) -> str:
     )
   st = s["stall"]
   out.append(
-    f"save stall           {st['saves']} saves, mean {_secs(st['mean_s'])} s,"
-    f" max {_secs(st['max_s'])} s"
+    f"save stall           {st['saves']} saves, mean {secs(st['mean_s'])} s,"
+    f" max {secs(st['max_s'])} s"
   )
   out.append(
     f"restore time         {s['restore_total_s']:.3f} s over {len(s['restores'])} restores"
@@ -199,7 +199,7 @@ def _report_text(s: dict[str, Any], files: list[str], style: _Style) -> str:
   if s["tiers"]:
     out += ["", style("saves per tier", "bold")]
     out.append(
-      _grid(
+      grid(
         ["tier", "steps saved", "durable steps", "failed", "skipped", "mean durable s", "max s"],
         [
           [
@@ -208,8 +208,8 @@ def _report_text(s: dict[str, Any], files: list[str], style: _Style) -> str:
             t["durable_steps"],
             t["failed"],
             t["skipped"],
-            _secs(t["durable_mean_s"]),
-            _secs(t["durable_max_s"]),
+            secs(t["durable_mean_s"]),
+            secs(t["durable_max_s"]),
           ]
           for t in s["tiers"]
         ],
@@ -219,7 +219,7 @@ def _report_text(s: dict[str, Any], files: list[str], style: _Style) -> str:
   if s["per_process"]:
     out += ["", style("save stall per process", "bold")]
     out.append(
-      _grid(
+      grid(
         ["process", "slice", "starts", "saves", "total stall s", "mean s", "max s"],
         [
           [
@@ -227,9 +227,9 @@ def _report_text(s: dict[str, Any], files: list[str], style: _Style) -> str:
             p["slice"],
             p["starts"],
             p["saves"],
-            _secs(p["stall_total_s"]),
-            _secs(p["stall_mean_s"]),
-            _secs(p["stall_max_s"]),
+            secs(p["stall_total_s"]),
+            secs(p["stall_mean_s"]),
+            secs(p["stall_max_s"]),
           ]
           for p in s["per_process"]
         ],
@@ -241,7 +241,7 @@ def _report_text(s: dict[str, Any], files: list[str], style: _Style) -> str:
     out.append("none")
   else:
     out.append(
-      _grid(
+      grid(
         [
           "at s",
           "process",
@@ -262,11 +262,11 @@ def _report_text(s: dict[str, Any], files: list[str], style: _Style) -> str:
             r["slice"],
             r["step"],
             r["source"] if r["error"] is None else "FAILED",
-            _secs(r["duration_s"]),
+            secs(r["duration_s"]),
             r["newest_saved"],
             r["lost_steps"],
             r["redone_steps"],
-            _secs(r["redone_s"], 2),
+            secs(r["redone_s"], 2),
             ",".join(map(str, r["tried"])) or "-",
           ]
           for r in s["restores"]
@@ -279,7 +279,7 @@ def _report_text(s: dict[str, Any], files: list[str], style: _Style) -> str:
     out.append("none")
   else:
     out.append(
-      _grid(
+      grid(
         ["at s", "process", "slice", "event", "step", "tier", "error"],
         [
           [
@@ -380,7 +380,7 @@ def cmd_report(a) -> int:
   if a.json:
     print(json.dumps(dict(summary, files=files), indent=1))
   else:
-    print(_report_text(summary, files, _Style()))
+    print(_report_text(summary, files, Style()))
   if a.png:
     why = draw_timeline(events, summary, a.png)
     if why is not None:

@@ -27,7 +27,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from emergency_ckpt import shards as shards_lib
 from emergency_ckpt.errors import TopologyError
-from emergency_ckpt.local_tier import aligned_empty
+from emergency_ckpt.peer.routing import routes
+from emergency_ckpt.staging import aligned_empty
 
 _UINTS = {1: np.uint8, 2: np.uint16, 4: np.uint32}
 
@@ -46,38 +47,6 @@ def _carrier(dtype: np.dtype) -> tuple[np.dtype, int]:
   if size % 4 == 0:
     return np.dtype(np.uint32), size // 4
   raise TopologyError(f"dtype {dtype} ({size} bytes) cannot cross slices bit-exactly")
-
-
-def check_peer_compatible(
-  paths: Sequence[str], abstract: Sequence, mesh, replica_axis: str
-) -> str | None:
-  """Why a peer transfer cannot serve `abstract`, or None if it can."""
-  for path, leaf in zip(paths, abstract):
-    sharding = getattr(leaf, "sharding", None)
-    if not isinstance(sharding, NamedSharding) or sharding.mesh != mesh:
-      return f"leaf {path} is not a NamedSharding on the manager's mesh"
-    for entry in sharding.spec:
-      names = entry if isinstance(entry, tuple) else (entry,)
-      if replica_axis in names:
-        return (
-          f"leaf {path} is sharded over the replica axis {replica_axis!r}, so no"
-          " other slice holds its shards"
-        )
-  return None
-
-
-def routes(intact: Sequence[int], lost: Sequence[int]) -> list[list[tuple[int, int]]]:
-  """Rounds of (source, destination) slice pairs: every lost slice gets one
-  sender; within a round no slice sends or receives twice (a permutation)."""
-  if not intact:
-    raise TopologyError("a peer transfer needs at least one intact slice")
-  rounds: list[list[tuple[int, int]]] = []
-  for i, dst in enumerate(lost):
-    r, k = divmod(i, len(intact))
-    if r == len(rounds):
-      rounds.append([])
-    rounds[r].append((intact[k], dst))
-  return rounds
 
 
 @functools.lru_cache(maxsize=8)

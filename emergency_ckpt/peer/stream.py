@@ -13,13 +13,13 @@ Each shard is checked against the CRC32C of the sender's manifest on arrival.
 Measured against the XLA collective permute (peer.py, gloo's TCP on CPU),
 interleaved in one job (2 slices x 2 processes, 256 MiB per process, slice 1
 wiped): transfer 0.21 s vs 0.415 s (medians of 5), whole restore 0.405 s vs
-0.585 s. peer.py stays available (peer_transport = "collective") for
+0.585 s. collective.py stays available (peer.transport = "collective") for
 networks where hosts cannot open ports to each other.
 
 Security: every process of an intact slice listens during the transfer only,
 on one address (the interface that routes to the JAX coordinator, or
-CheckpointManagerOptions.peer_host) and a port the kernel picks (or the first
-free one of CheckpointManagerOptions.peer_ports), and serves only a client that presents
+PeerOptions.host) and a port the kernel picks (or the first
+free one of PeerOptions.ports), and serves only a client that presents
 the 256-bit token it published for this transfer through the JAX
 coordination service (the job's own channel). Nothing here unpickles or runs
 anything it receives: requests are JSON, replies are raw bytes.
@@ -52,7 +52,9 @@ import numpy as np
 from emergency_ckpt import failpoints
 from emergency_ckpt import shards as shards_lib
 from emergency_ckpt.errors import CorruptCheckpointError, PeerTransferError
-from emergency_ckpt.local_tier import LocalStep, aligned_empty, checksum_ok
+from emergency_ckpt.local_format import LocalStep, checksum_ok
+from emergency_ckpt.peer.routing import plan_pulls
+from emergency_ckpt.staging import aligned_empty
 
 logger = logging.getLogger("emergency_ckpt")
 
@@ -60,35 +62,6 @@ MAGIC = b"ECPEER1\n"
 TOKEN_BYTES = 32
 _MAX_HEADER = 64 << 20  # a request or reply header (JSON) larger than this is refused
 _LEN = struct.Struct("!I")
-
-
-def plan_pulls(
-  layout: shards_lib.Layout,
-  mesh_devices: np.ndarray,
-  replica_axis_index: int,
-  intact: Sequence[int],
-  rank: int,
-) -> dict[int, list[tuple[int, shards_lib.ShardSlot]]]:
-  """{sender process: [(leaf number, slot)]} for a receiver whose shards are
-  `layout`: each shard from the process holding the same mesh coordinates in
-  an intact slice, round-robin over `intact` (offset by the receiver's
-  `rank` among receivers, so several receivers spread over the senders).
-  Pure: devices need only `.id` and `.process_index`."""
-  if not intact:
-    raise PeerTransferError("a peer transfer needs at least one intact slice")
-  coords = {d.id: idx for idx, d in np.ndenumerate(mesh_devices)}
-  out: dict[int, list[tuple[int, shards_lib.ShardSlot]]] = {}
-  k = rank
-  for leaf_no, leaf in enumerate(layout.leaves):
-    for slot in leaf.slots:
-      if not slot.nbytes:
-        continue
-      source = list(coords[slot.devices[0].id])
-      source[replica_axis_index] = intact[k % len(intact)]
-      k += 1
-      sender = int(mesh_devices[tuple(source)].process_index)
-      out.setdefault(sender, []).append((leaf_no, slot))
-  return out
 
 
 def _recv_exact(sock: socket.socket, view: memoryview) -> None:
@@ -235,7 +208,7 @@ def _listen(host: str, ports: tuple[int, int] | None) -> socket.socket:
         raise
   raise OSError(
     errno.EADDRINUSE,
-    f"no free port in peer_ports {ports[0]}-{ports[1]} on {host}: every process of"
+    f"no free port in peer.ports {ports[0]}-{ports[1]} on {host}: every process of"
     " a host that serves needs one; widen the range",
   )
 
@@ -334,7 +307,7 @@ def transfer(
   if topology.slice_index in intact:
     try:
       if host is None:
-        raise OSError("no address: set peer_host (see CheckpointManagerOptions)")
+        raise OSError("no address: set peer.host (see PeerOptions)")
       server = Server(
         host, local, paths, timeout_s=timeout_s, log_prefix=topology.log_prefix(), ports=ports
       )

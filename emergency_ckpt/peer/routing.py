@@ -1,0 +1,73 @@
+"""Who sends what to whom in a peer transfer: pure, shared by both transports.
+
+Lost slices are spread over the intact ones round-robin, so with several
+intact slices the sends run in parallel: the collective transport assigns
+whole slices (rounds of a permutation), the stream transport single shards.
+The state must be replicated over the replica axis (each slice holds a full
+copy) for any slice to serve another.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from emergency_ckpt import compat
+from emergency_ckpt import shards as shards_lib
+from emergency_ckpt.errors import PeerTransferError, TopologyError
+
+
+def source_of(intact: Sequence[int], k: int) -> int:
+  """The k-th pick of the round-robin over `intact` slices."""
+  return intact[k % len(intact)]
+
+
+def check_peer_compatible(
+  paths: Sequence[str], abstract: Sequence, mesh, replica_axis: str
+) -> str | None:
+  """Why no slice can serve another `abstract`'s shards, or None if one can."""
+  return compat.replica_problem(paths, abstract, mesh, replica_axis)
+
+
+def routes(intact: Sequence[int], lost: Sequence[int]) -> list[list[tuple[int, int]]]:
+  """Rounds of (source, destination) slice pairs: every lost slice gets one
+  sender; within a round no slice sends or receives twice (a permutation)."""
+  if not intact:
+    raise TopologyError("a peer transfer needs at least one intact slice")
+  rounds: list[list[tuple[int, int]]] = []
+  for i, dst in enumerate(lost):
+    r = i // len(intact)
+    if r == len(rounds):
+      rounds.append([])
+    rounds[r].append((source_of(intact, i), dst))
+  return rounds
+
+
+def plan_pulls(
+  layout: shards_lib.Layout,
+  mesh_devices: np.ndarray,
+  replica_axis_index: int,
+  intact: Sequence[int],
+  rank: int,
+) -> dict[int, list[tuple[int, shards_lib.ShardSlot]]]:
+  """{sender process: [(leaf number, slot)]} for a receiver whose shards are
+  `layout`: each shard from the process holding the same mesh coordinates in
+  an intact slice, round-robin over `intact` (offset by the receiver's
+  `rank` among receivers, so several receivers spread over the senders).
+  Pure: devices need only `.id` and `.process_index`."""
+  if not intact:
+    raise PeerTransferError("a peer transfer needs at least one intact slice")
+  coords = {d.id: idx for idx, d in np.ndenumerate(mesh_devices)}
+  out: dict[int, list[tuple[int, shards_lib.ShardSlot]]] = {}
+  k = rank
+  for leaf_no, leaf in enumerate(layout.leaves):
+    for slot in leaf.slots:
+      if not slot.nbytes:
+        continue
+      source = list(coords[slot.devices[0].id])
+      source[replica_axis_index] = source_of(intact, k)
+      k += 1
+      sender = int(mesh_devices[tuple(source)].process_index)
+      out.setdefault(sender, []).append((leaf_no, slot))
+  return out

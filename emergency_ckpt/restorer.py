@@ -1,0 +1,227 @@
+"""Executing a restore: try the newest candidate step, fall back, agree.
+
+For each candidate step (newest first, from the inventory exchange):
+1. every process reads what it can: its own local copy (mapped, verified)
+   and its own JSON state;
+2. one status exchange; the pure plan (restore_plan.decide) says where each
+   slice gets the step: its own copy, a peer slice, or the persistent tier;
+3. execute: nothing more if every slice is intact, a peer transfer to the
+   slices that lost it (on failure, every process alike falls back to the
+   persistent tier or an older step), or a persistent read.
+Then newer, unrestorable leftovers are discarded (one barrier), so new saves
+never mix with them.
+
+Called by: every process; see CheckpointManager.restore for what it blocks on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+from emergency_ckpt import peer, restore_plan
+from emergency_ckpt import shards as shards_lib
+from emergency_ckpt.errors import (
+  CorruptCheckpointError,
+  NoRestorableCheckpointError,
+  PeerTransferError,
+  StateMismatchError,
+  StepNotRestorableError,
+  TopologyMismatchError,
+)
+
+logger = logging.getLogger("emergency_ckpt")
+
+
+@dataclasses.dataclass(frozen=True)
+class RestoreResult:
+  """What restore() gives this process."""
+
+  step: int
+  state: Any
+  data_state: Any
+  """This process's own data_state of `step` (what get_state() returned, if
+  an object was saved); None if the step was saved by another process count."""
+  source: str
+  """Where this process's slice got the tensors: local, peer or persistent."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+  """A restored step, before the data state is decoded."""
+
+  step: int
+  state: Any
+  data_state: Any
+  source: str
+  tried: list[str]
+
+
+class Restorer:
+  """Restores a step on this process, in agreement with every other."""
+
+  def __init__(self, options, *, topology, mesh, collectives, local, persistent, state):
+    self._options = options
+    self._topology = topology
+    self._mesh = mesh
+    self._collectives = collectives
+    self._local = local
+    self._persistent = persistent
+    self._state = state
+
+  def restore(
+    self, abstract_state: Any, invs: Sequence[restore_plan.Inventory], step: int | None
+  ) -> Outcome:
+    """The newest restorable step (or `step`) of `invs` onto abstract_state's
+    shardings. Raises NoRestorableCheckpointError / StepNotRestorableError
+    naming what was found, StateMismatchError if abstract_state does not fit."""
+    topo = self._topology
+    paths, abstract, treedef = shards_lib.leaf_paths(abstract_state)
+    cands = restore_plan.candidates(invs, topo.slice_processes, step=step)
+    peer_problem = peer.check_peer_compatible(paths, abstract, self._mesh, topo.replica_axis_name)
+    tried: list[str] = []
+    for cand in cands:
+      status, local, data_state = self._try_load(cand, paths, abstract)
+      got = self._collectives.exchange(f"restore_status_{cand.step}", status.to_json())
+      statuses = {p: restore_plan.Status.from_json(v) for p, v in got.items()}
+      mismatch = next((s.mismatch for s in statuses.values() if s.mismatch), None)
+      if mismatch:
+        raise StateMismatchError(mismatch)
+      if peer_problem:  # no slice can serve another: a partial loss needs persistent
+        cand = _without_peer(cand, topo.num_slices)
+      plan = restore_plan.decide(cand, statuses, topo.slice_processes)
+      if plan is None:
+        why = {p: s.error for p, s in statuses.items() if s.error}
+        logger.warning(
+          "%s step %d is not restorable after verification: %s", topo.log_prefix(), cand.step, why
+        )
+        tried.append(f"step {cand.step}: {why}")
+        continue
+      try:
+        state = self._execute(plan, abstract_state, paths, abstract, treedef, local)
+      except PeerTransferError as e:  # raised on every process alike
+        plan = restore_plan.decide(
+          _without_peer(cand, topo.num_slices), statuses, topo.slice_processes
+        )
+        logger.warning(
+          "%s %s; %s",
+          topo.log_prefix(),
+          e,
+          "reading the step from the persistent tier" if plan else "trying an older step",
+        )
+        if plan is None:
+          tried.append(f"step {cand.step}: {e}")
+          continue
+        state = self._execute(plan, abstract_state, paths, abstract, treedef, local)
+      source = plan.sources[topo.slice_index]
+      logger.info("%s restored step %d from %s", topo.log_prefix(), plan.step, source)
+      self._discard_newer(plan.step, {c.step for c in cands})
+      return Outcome(plan.step, state, data_state, source, tried)
+    self.raise_absent(invs, step, tried)
+    raise AssertionError("unreachable")
+
+  def raise_absent(self, invs, step: int | None, tried: list[str]) -> None:
+    """Raises the error for 'nothing restorable', naming what was found."""
+    dirs = (
+      f"local {self._local.directory} (per process), persistent"
+      f" {self._options.persistent.directory}"
+    )
+    detail = restore_plan.describe_absence(invs, self._topology.slice_processes)
+    if tried:
+      detail += "; rejected after verification: " + "; ".join(tried)
+    if step is not None:
+      raise StepNotRestorableError(
+        f"step {step} is not restorable. Looked in {dirs}. {detail}. Call"
+        " all_steps() for the restorable steps."
+      )
+    raise NoRestorableCheckpointError(
+      f"no restorable checkpoint. Looked in {dirs}. {detail}. Start from"
+      " scratch, or point the options at the run's directories."
+    )
+
+  def _discard_newer(self, restored: int, restorable: set[int]) -> None:
+    """Training resumes at restored + 1 and will save those steps again: what
+    a crashed run left of unrestorable newer steps (a local copy, a JSON
+    without COMMIT) must not mix with the new saves. Restorable steps are
+    kept. Ends with a barrier, so no new save starts before the cleanup."""
+    for step in self._local.steps():
+      if step > restored and step not in restorable:
+        self._local.delete(step)
+    if self._topology.is_primary_process:
+      committed = set(self._state.committed_steps())
+      for step in self._state.listed_steps():
+        if step > restored and step not in committed:
+          self._state.delete(step)
+    self._collectives.barrier(f"restore_discard_{restored}")
+
+  def _try_load(self, cand, paths, abstract):
+    topo = self._topology
+    local_ok, error, mismatch, local = None, None, None, None
+    if topo.slice_index in cand.local_slices:
+      try:
+        local = self._local.read(cand.step, paths, abstract)
+        local_ok = True
+      except StateMismatchError as e:
+        local_ok, mismatch = False, str(e)
+      except (CorruptCheckpointError, TopologyMismatchError, OSError) as e:
+        local_ok, error = False, f"local copy: {e}"
+        logger.warning("%s local copy of step %d unusable: %s", topo.log_prefix(), cand.step, e)
+    try:
+      saved_count = self._state.saved_process_count(cand.step)
+      if saved_count is not None and saved_count != topo.process_count:
+        # Per-process iterator positions cannot be mapped onto another
+        # process count: the tensors restore (resharded), data_state is None.
+        logger.warning(
+          "%s step %d was saved by %d processes, this job has %d: data_state is None;"
+          " re-initialise the data pipeline for the new topology.",
+          topo.log_prefix(),
+          cand.step,
+          saved_count,
+          topo.process_count,
+        )
+        data_state, state_ok = None, True
+      else:
+        data_state, state_ok = self._state.read(cand.step), True
+    except CorruptCheckpointError as e:
+      data_state, state_ok = None, False
+      error = f"{error}; state: {e}" if error else f"state: {e}"
+    status = restore_plan.Status(local_ok, state_ok, error, mismatch)
+    return status, local, data_state
+
+  def _execute(self, plan, abstract_state, paths, abstract, treedef, local):
+    """The restored tree, on this process's devices."""
+    topo = self._topology
+    if plan.peer_source is not None:
+      intact = [s for s, src in enumerate(plan.sources) if src == restore_plan.LOCAL]
+      intact.sort(key=lambda s: s != plan.peer_source)  # the planned source first
+      lost = [s for s, src in enumerate(plan.sources) if src == restore_plan.PEER]
+      mine = local if plan.sources[topo.slice_index] == restore_plan.LOCAL else None
+      arrays = peer.transfer(
+        plan.step,
+        abstract,
+        paths,
+        mine,
+        options=self._options.peer,
+        mesh=self._mesh,
+        topology=topo,
+        collectives=self._collectives,
+        intact=intact,
+        lost=lost,
+        timeout_s=self._options.collective_timeout_s,
+      )
+      return jax.tree_util.tree_unflatten(treedef, arrays)
+    if plan.sources[topo.slice_index] == restore_plan.LOCAL:
+      arrays = [shards_lib.assemble(a, by_index) for a, by_index in zip(abstract, local.arrays)]
+      return jax.tree_util.tree_unflatten(treedef, arrays)
+    return self._persistent.restore(plan.step, abstract_state)
+
+
+def _without_peer(cand: restore_plan.Candidate, num_slices: int) -> restore_plan.Candidate:
+  """Local copies count only if every slice has one (no peer can serve)."""
+  if len(cand.local_slices) == num_slices:
+    return cand
+  return restore_plan.Candidate(cand.step, (), cand.in_persistent)

@@ -1,0 +1,198 @@
+"""One save, from save()'s copy to COMMIT: the order of the steps and who runs them.
+
+In save() (the trainer's thread; the only stall):
+  copy this process's shards into a host snapshot (staging.py), inside the
+  machine-wide staging window; start the background work below.
+In the background (lanes of background.py):
+  local write (every slice, the primary too) -> this process's JSON state
+  (after the local write, so COMMIT means every process finished its save of
+  the step, even a failed one: a peer or the persistent tier may still serve
+  it) -> on the primary process, COMMIT once every JSON exists -> retention.
+  Primary slice at persistent steps: the upload, from arrays aliasing the
+  snapshot on CPU (Orbax inline elsewhere: its device-to-host copy must end
+  before the trainer may donate the arrays).
+
+No collective anywhere in save(); the persistent upload's barriers span the
+primary slice's processes only.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from typing import Any
+
+import jax
+
+from emergency_ckpt import failpoints, persistent_layout, policies
+from emergency_ckpt import shards as shards_lib
+from emergency_ckpt.background import Background
+from emergency_ckpt.local_tier import LocalTier, WriteResult
+from emergency_ckpt.records import StepRecords
+from emergency_ckpt.retainer import Retainer
+from emergency_ckpt.staging import StagingArea
+from emergency_ckpt.state_store import StateStore
+from emergency_ckpt.telemetry import EventLog
+
+logger = logging.getLogger("emergency_ckpt")
+
+
+def tiers_of(decision: policies.SaveDecision) -> list[str]:
+  """The names of the tiers `decision` saves to."""
+  return [t for t, on in (("local", decision.local), ("persistent", decision.persistent)) if on]
+
+
+class SavePipeline:
+  """Starts and tracks the saves of one process."""
+
+  def __init__(
+    self,
+    options,
+    *,
+    topology,
+    staging: StagingArea,
+    local: LocalTier,
+    persistent,
+    state: StateStore,
+    retainer: Retainer,
+    records: StepRecords,
+    events: EventLog,
+    background: Background,
+    upload_snapshots: bool,
+  ):
+    """`upload_snapshots`: the persistent upload reads the staged snapshot
+    (CPU devices) instead of Orbax copying the device arrays inline."""
+    self._options = options
+    self._topology = topology
+    self._staging = staging
+    self._local = local
+    self._persistent = persistent
+    self._state = state
+    self._retainer = retainer
+    self._records = records
+    self._events = events
+    self._background = background
+    self._upload_snapshots = upload_snapshots
+
+  def save(
+    self,
+    step: int,
+    state: Any,
+    data_state: dict | None,
+    decision: policies.SaveDecision,
+    metrics: dict,
+  ) -> int:
+    """Stages `state` and starts the background work of `decision`; returns
+    the bytes staged for the local tier. Blocks on the copy only (and on a
+    free staging buffer, and on the primary slice at persistent steps on the
+    previous upload: at most one is in flight)."""
+    topo = self._topology
+    paths, leaves, treedef = shards_lib.leaf_paths(state)
+    self._records.metrics.put(step, metrics)
+    self._records.info.put(
+      step,
+      {
+        "topology": topo.fingerprint(),
+        "bytes": int(sum(getattr(x, "nbytes", 0) for x in leaves)),
+        "saved_at": time.time(),
+        "tiers": tiers_of(decision),
+      },
+    )
+    persistent = decision.persistent and topo.is_primary_slice
+    if persistent:  # at most one upload in flight: wait for the previous one here
+      self._persistent.wait_previous(step)
+    snapshot_upload = persistent and self._upload_snapshots
+    reserved = None
+    if decision.local or snapshot_upload:
+      reserved = self._staging.reserve(paths, leaves)  # may wait for a running local write
+    # Co-located processes start their background work only once no process
+    # of the job on this machine is inside this block; nothing in it waits
+    # for this process's own background work.
+    with self._staging.staging():
+      snapshot = None
+      if reserved is not None:
+        snapshot = self._staging.stage(step, paths, leaves, reserved)
+        logger.debug("%s step %d staged in %.3fs", topo.log_prefix(), step, snapshot.stall_s)
+      release = snapshot.hold() if snapshot_upload else None  # before the write frees it
+      nbytes = 0
+      if decision.local:
+        nbytes = snapshot.layout.nbytes
+        self._background.track(
+          self._local.write_async(snapshot, on_done=lambda r: self._after_local(r, data_state))
+        )
+      else:
+        if snapshot is not None:
+          snapshot.release()
+        self._queue_state(step, data_state)
+      if snapshot_upload:
+        abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in leaves]
+
+        def snapshot_tree() -> Any:  # on the upload thread
+          snapshot.wait_others_staged()
+          return jax.tree_util.tree_unflatten(treedef, snapshot.arrays(abstract))
+
+        self._persistent.save_snapshot(step, state, snapshot_tree, release)
+      elif persistent:
+        self._persistent.save(step, state)
+    return nbytes
+
+  # ---- background ------------------------------------------------------------
+  def durable(self, step: int, tier: str, nbytes: int | None, error: str | None = None) -> None:
+    """Records that `tier` holds `step` (or failed to)."""
+    t0 = self._records.started.get(step)
+    self._events.record(
+      "save_durable" if error is None else "save_failed",
+      step=step,
+      tier=tier,
+      durable_s=None if t0 is None else round(time.monotonic() - t0, 6),
+      bytes=nbytes,
+      error=error,
+    )
+
+  def _after_local(self, result: WriteResult, data_state: dict | None) -> None:
+    self.durable(result.step, "local", result.nbytes, result.error)
+    self._queue_state(result.step, data_state)
+    if result.ok:
+      self._retainer.after_local_write(result.step)
+
+  def _queue_state(self, step: int, data_state: dict | None) -> None:
+    def write_state() -> None:
+      try:
+        self._state.write(step, data_state)
+      except Exception as e:
+        self.durable(step, "state", None, f"{type(e).__name__}: {e}")
+        raise
+      self.durable(step, "state", None)
+
+    write = self._background.submit("state-write", write_state)
+    if self._topology.is_primary_process:
+      self._background.submit("commit", self._commit, write, step)
+
+  def _commit(self, write: concurrent.futures.Future, step: int) -> None:
+    write.result()
+    committed = self._state.commit(
+      step,
+      timeout_s=self._options.state_commit_timeout_s,
+      metrics=self._records.metrics.get(step),
+      info=self._records.info.get(step),
+    )
+    if committed:
+      self._retainer.after_commit(step)
+
+  def persistent_finalized(self, step: int) -> None:
+    """Orbax's finalize thread, on every primary-slice process, BEFORE Orbax
+    renames the step / writes its commit file: waits for that elsewhere."""
+    self._background.submit("commit", self._after_persistent, step)
+
+  def _after_persistent(self, step: int) -> None:
+    if not persistent_layout.wait_finalized(
+      self._persistent.directory, step, self._options.collective_timeout_s
+    ):
+      self.durable(step, "persistent", None, "not finalized in time")
+      return
+    failpoints.hit("persistent.after_finalize", step)
+    self._records.persistent_final.put(step, True)
+    self.durable(step, "persistent", None)
+    if self._topology.is_primary_process:
+      self._retainer.persistent()
