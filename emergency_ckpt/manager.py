@@ -10,7 +10,6 @@ topology (identity and collectives), policies (when to save).
 from __future__ import annotations
 
 import logging
-import math
 import time
 from typing import Any
 
@@ -24,11 +23,9 @@ from emergency_ckpt.errors import (
   DataStateError,
   EmergencyCheckpointError,
   InvalidOptionsError,
-  NoRestorableCheckpointError,
   ProtectedStepError,
   StepAlreadyExistsError,
   StepError,
-  StepNotRestorableError,
 )
 from emergency_ckpt.inventory import Inventory, StepMetadata
 from emergency_ckpt.local_tier import LocalTier
@@ -37,7 +34,7 @@ from emergency_ckpt.persistent_tier import PersistentTier
 from emergency_ckpt.records import StepRecords, check_metrics
 from emergency_ckpt.restorer import Restorer, RestoreResult
 from emergency_ckpt.retainer import Retainer
-from emergency_ckpt.saving import SavePipeline, tiers_of
+from emergency_ckpt.saving import SavePipeline
 from emergency_ckpt.staging import StagingArea
 from emergency_ckpt.state_store import StateStore, decode_data_state, encode_data_state
 from emergency_ckpt.telemetry import EventLog
@@ -125,7 +122,13 @@ class CheckpointManager:
       **tiers,
     )
     self._restorer = Restorer(
-      options, topology=topo, mesh=mesh, collectives=self._collectives, **tiers
+      options,
+      topology=topo,
+      mesh=mesh,
+      collectives=self._collectives,
+      staging=self._staging,
+      events=self._events,
+      **tiers,
     )
     self._last_step: int | None = None
     self._closed = False
@@ -214,18 +217,10 @@ class CheckpointManager:
       return False
     t0 = time.monotonic()
     data_state = encode_data_state(data_state)
-    self._records.started.put(step, t0)
     metrics = check_metrics(metrics)
     self._background.raise_errors()
-    nbytes = self._saves.save(step, state, data_state, decision, metrics)
+    self._saves.save(step, state, data_state, decision, metrics, started=t0)
     self._last_step = step
-    self._events.record(
-      "save",
-      step=step,
-      tiers=tiers_of(decision),
-      bytes=nbytes,
-      stall_s=round(time.monotonic() - t0, 6),
-    )
     return True
 
   def prepare(self, abstract_state: Any) -> None:
@@ -300,37 +295,11 @@ class CheckpointManager:
         " result.data_state."
       )
     self.wait_until_finished()
-    paths, abstract, _ = shards_lib.leaf_paths(abstract_state)
-    invs = self._inventory.exchange("restore")
-    try:
-      out = self._restorer.restore(abstract_state, invs, step)
-    except (NoRestorableCheckpointError, StepNotRestorableError) as e:
-      # the first save's buffer, while the trainer initializes
-      self._staging.prepare(paths, abstract)
-      self._events.record(
-        "restore",
-        step=None,
-        source=None,
-        duration_s=round(time.monotonic() - t0, 6),
-        bytes=0,
-        tried=[],
-        error=str(e),
-      )
-      raise
+    out = self._restorer.restore(abstract_state, self._inventory.exchange("restore"), step, t0)
     self._last_step = out.step
     saved = decode_data_state(out.data_state)
     if target is not None and saved is not None:
       target.set_state(saved)
-    self._staging.prepare(paths, abstract)  # the next save's buffer, while training starts
-    self._events.record(
-      "restore",
-      step=out.step,
-      source=out.source,
-      duration_s=round(time.monotonic() - t0, 6),
-      bytes=int(sum(math.prod(a.shape) * a.dtype.itemsize for a in abstract)),
-      tried=out.tried,
-      error=None,
-    )
     return RestoreResult(out.step, out.state, saved, out.source)
 
   def best_step(self) -> int | None:

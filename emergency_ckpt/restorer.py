@@ -18,10 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 from emergency_ckpt import peer, restore_plan
 from emergency_ckpt import shards as shards_lib
@@ -64,8 +67,12 @@ class Outcome:
 class Restorer:
   """Restores a step on this process, in agreement with every other."""
 
-  def __init__(self, options, *, topology, mesh, collectives, local, persistent, state):
+  def __init__(
+    self, options, *, topology, mesh, collectives, local, persistent, state, staging, events
+  ):
     self._options = options
+    self._staging = staging
+    self._events = events
     self._topology = topology
     self._mesh = mesh
     self._collectives = collectives
@@ -74,11 +81,44 @@ class Restorer:
     self._state = state
 
   def restore(
-    self, abstract_state: Any, invs: Sequence[restore_plan.Inventory], step: int | None
+    self,
+    abstract_state: Any,
+    invs: Sequence[restore_plan.Inventory],
+    step: int | None,
+    started: float,
   ) -> Outcome:
     """The newest restorable step (or `step`) of `invs` onto abstract_state's
     shardings. Raises NoRestorableCheckpointError / StepNotRestorableError
-    naming what was found, StateMismatchError if abstract_state does not fit."""
+    naming what was found, StateMismatchError if abstract_state does not fit.
+    Either way (unless mismatched) it records a restore event (`started`:
+    time.monotonic() when restore() began) and prepares the next save's
+    staging buffer in the background, while the trainer goes on."""
+    paths, abstract, _ = shards_lib.leaf_paths(abstract_state)
+    out, tried = self._restore(abstract_state, invs, step)
+    self._staging.prepare(paths, abstract)
+    if out is None:
+      try:
+        self.raise_absent(invs, step, tried)
+      except (NoRestorableCheckpointError, StepNotRestorableError) as e:
+        self._record(started, None, None, 0, tried, str(e))
+        raise
+    nbytes = int(sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in abstract))
+    self._record(started, out.step, out.source, nbytes, out.tried, None)
+    return out
+
+  def _record(self, started, step, source, nbytes, tried, error) -> None:
+    self._events.record(
+      "restore",
+      step=step,
+      source=source,
+      duration_s=round(time.monotonic() - started, 6),
+      bytes=nbytes,
+      tried=tried,
+      error=error,
+    )
+
+  def _restore(self, abstract_state, invs, step) -> tuple[Outcome | None, list[str]]:
+    """(the restored step or None, why candidates were rejected)."""
     topo = self._topology
     paths, abstract, treedef = shards_lib.leaf_paths(abstract_state)
     cands = restore_plan.candidates(invs, topo.slice_processes, step=step)
@@ -120,9 +160,8 @@ class Restorer:
       source = plan.sources[topo.slice_index]
       logger.info("%s restored step %d from %s", topo.log_prefix(), plan.step, source)
       self._discard_newer(plan.step, {c.step for c in cands})
-      return Outcome(plan.step, state, data_state, source, tried)
-    self.raise_absent(invs, step, tried)
-    raise AssertionError("unreachable")
+      return Outcome(plan.step, state, data_state, source, tried), tried
+    return None, tried
 
   def raise_absent(self, invs, step: int | None, tried: list[str]) -> None:
     """Raises the error for 'nothing restorable', naming what was found."""

@@ -82,12 +82,15 @@ class SavePipeline:
     data_state: dict | None,
     decision: policies.SaveDecision,
     metrics: dict,
-  ) -> int:
-    """Stages `state` and starts the background work of `decision`; returns
-    the bytes staged for the local tier. Blocks on the copy only (and on a
-    free staging buffer, and on the primary slice at persistent steps on the
-    previous upload: at most one is in flight)."""
+    *,
+    started: float,
+  ) -> None:
+    """Stages `state` and starts the background work of `decision`; records
+    the save event (`started`: time.monotonic() when save() began). Blocks on
+    the copy only (and on a free staging buffer, and on the primary slice at
+    persistent steps on the previous upload: at most one is in flight)."""
     topo = self._topology
+    self._records.started.put(step, started)
     paths, leaves, treedef = shards_lib.leaf_paths(state)
     self._records.metrics.put(step, metrics)
     self._records.info.put(
@@ -135,7 +138,13 @@ class SavePipeline:
         self._persistent.save_snapshot(step, state, snapshot_tree, release)
       elif persistent:
         self._persistent.save(step, state)
-    return nbytes
+    self._events.record(
+      "save",
+      step=step,
+      tiers=tiers_of(decision),
+      bytes=nbytes,
+      stall_s=round(time.monotonic() - started, 6),
+    )
 
   # ---- background ------------------------------------------------------------
   def durable(self, step: int, tier: str, nbytes: int | None, error: str | None = None) -> None:

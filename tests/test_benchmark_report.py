@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from emergency_ckpt.bench import report
+from emergency_ckpt.bench import figures as report
 from emergency_ckpt.bench.adapters import MANAGERS
 
 

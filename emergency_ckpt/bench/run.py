@@ -29,7 +29,7 @@ import tempfile
 import threading
 import time
 
-from emergency_ckpt.bench import report
+from emergency_ckpt.bench import figures, report
 from emergency_ckpt.bench.adapters import MANAGERS, OURS
 from emergency_ckpt.bench.state import LAYOUTS, rows_per_leaf
 from emergency_ckpt.bench.workers import SPAWN_ENV
@@ -223,15 +223,15 @@ def main(argv=None, on_job=None) -> int:
               restarts.append(got)
         shutil.rmtree(os.path.join(shm_root, name), ignore_errors=True)
         shutil.rmtree(os.path.join(disk_root, name), ignore_errors=True)
-      metrics, extras = report.manager_figures(name, main_res, main_err, restarts, restart_errors)
+      metrics, extras = figures.manager_figures(name, main_res, main_err, restarts, restart_errors)
       results[name] = {"metrics": metrics, "extras": extras}
-      ready.extend(report.restart_ready(restarts))
+      ready.extend(figures.restart_ready(restarts))
   finally:
     if not args.keep:
       shutil.rmtree(shm_root, ignore_errors=True)
       shutil.rmtree(disk_root, ignore_errors=True)
 
-  raw_figs = report.raw_figures(raw, ready)
+  raw_figs = figures.raw_figures(raw, ready)
   doc = {
     "config": {
       "mib_per_replica": mib,
@@ -250,11 +250,11 @@ def main(argv=None, on_job=None) -> int:
     },
     "metrics": [
       {"key": mt.key, "label": mt.label, "unit": mt.unit, "raw_bound": mt.bound}
-      for mt in report.METRICS
+      for mt in figures.METRICS
     ],
     "raw_bounds": raw_figs,
     "results": results,
-    "ratios": report.ratios(raw_figs, results),
+    "ratios": figures.ratios(raw_figs, results),
     "errors": runner.errors,
   }
   json_path = os.path.join(args.out, "results.json")

@@ -1,7 +1,7 @@
 """Code that runs inside the benchmark's multi-process jobs (run_job).
 
 Each function takes the JSON args dict and returns this process's JSON
-result; report.py reduces them (per-process max or sum, then the
+result; figures.py reduces them (per-process max or sum, then the
 median over repetitions). Module-level imports stay light (no Orbax, no
 manager), so a worker's "ready" time is that of a bare JAX job (plus the
 launcher's package import, the same for every manager).
