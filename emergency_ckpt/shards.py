@@ -73,10 +73,6 @@ def leaf_paths(tree) -> tuple[list[str], list[Any], Any]:
   return [jax.tree_util.keystr(p) for p, _ in flat], [x for _, x in flat], treedef
 
 
-def _sharding_key(sharding) -> Any:
-  return sharding  # shardings are hashable and compare by value
-
-
 @functools.lru_cache(maxsize=16)
 def _layout_cached(key) -> Layout:
   leaves = []
@@ -105,7 +101,9 @@ def layout_for(paths: Sequence[str], leaves: Sequence[Any]) -> Layout:
         " must be a jax.Array (and of abstract_state a jax.ShapeDtypeStruct"
         " with a sharding). Wrap scalars with jnp.asarray and device_put them."
       )
-    key.append((path, tuple(leaf.shape), np.dtype(jnp.dtype(leaf.dtype)), _sharding_key(sharding)))
+    key.append(
+      (path, tuple(leaf.shape), np.dtype(jnp.dtype(leaf.dtype)), sharding)
+    )  # hashable, compared by value
   return _layout_cached(tuple(key))
 
 

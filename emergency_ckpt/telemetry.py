@@ -19,7 +19,6 @@ e.g. "train_step" with step and duration_s):
   run_start     run_id, topology, optionally wall_start (unix s the job began)
   save          step, tiers (["local", "persistent"]), bytes, stall_s
   save_durable  step, tier ("local" | "persistent" | "state"), durable_s, bytes, error
-  save_skipped  step, tier, error
   save_failed   step, tier, error
   restore       step, source ("local" | "peer" | "persistent"), duration_s, bytes,
                 error, tried (steps rejected before this one)

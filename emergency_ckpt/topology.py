@@ -58,12 +58,6 @@ class Topology:
   def is_primary_process(self) -> bool:
     return self.process_index == self.primary_process
 
-  def slice_of(self, process: int) -> int:
-    for s, procs in enumerate(self.slice_processes):
-      if process in procs:
-        return s
-    raise KeyError(process)
-
   def fingerprint(self) -> dict[str, Any]:
     """What a local-tier step must match to be read back by this job."""
     return {

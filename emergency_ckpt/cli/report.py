@@ -78,11 +78,10 @@ def summarize_events(events: list[dict[str, Any]]) -> dict[str, Any]:
         and (e["event"] == "save_failed" or (e["event"] == "save_durable" and bool(e.get("error"))))
         for e in events
       ),
-      "skipped": sum(e["event"] == "save_skipped" and e.get("tier") == t for e in events),
       "durable_mean_s": _mean(times),
       "durable_max_s": max(times, default=None),
     }
-    if any(row[k] for k in ("saved_steps", "durable_records", "failed", "skipped")):
+    if any(row[k] for k in ("saved_steps", "durable_records", "failed")):
       tier_rows.append(row)
 
   restores = []
@@ -139,7 +138,7 @@ def summarize_events(events: list[dict[str, Any]]) -> dict[str, Any]:
       "error": e.get("error"),
     }
     for e in events
-    if e.get("error") is not None or e["event"] in ("save_failed", "save_skipped")
+    if e.get("error") is not None or e["event"] == "save_failed"
   ]
   return {
     "run_ids": sorted({str(e["run_id"]) for e in events if e.get("run_id") is not None}),
@@ -200,14 +199,13 @@ def _report_text(s: dict[str, Any], files: list[str], style: Style) -> str:
     out += ["", style("saves per tier", "bold")]
     out.append(
       grid(
-        ["tier", "steps saved", "durable steps", "failed", "skipped", "mean durable s", "max s"],
+        ["tier", "steps saved", "durable steps", "failed", "mean durable s", "max s"],
         [
           [
             t["tier"],
             t["saved_steps"] if t["tier"] != "state" else "-",
             t["durable_steps"],
             t["failed"],
-            t["skipped"],
             secs(t["durable_mean_s"]),
             secs(t["durable_max_s"]),
           ]
@@ -332,7 +330,7 @@ def draw_timeline(events: list[dict[str, Any]], summary: dict[str, Any], out: st
     key = None
     if e["event"] == "save":
       key = "persistent save" if "persistent" in (e.get("tiers") or []) else "local save"
-    elif e.get("error") is not None or e["event"] in ("save_failed", "save_skipped"):
+    elif e.get("error") is not None or e["event"] == "save_failed":
       key = "failure / error"
     elif e["event"] == "restore":
       key = "restore"
