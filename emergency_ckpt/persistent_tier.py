@@ -196,6 +196,15 @@ class PersistentTier:
     except Exception as e:
       raise self._translate(e) from e
 
+  def _check_ready(self) -> None:
+    """save() and save_snapshot() come after wait_previous(): at most one
+    upload is in flight, and the caller chooses where to wait for it (the
+    manager: before it stages, never inside the staging window)."""
+    if self._manager is None:
+      raise RuntimeError("only the primary slice saves persistently")
+    if self._upload is not None:
+      raise RuntimeError("call wait_previous(step) before starting the next upload")
+
   def _start(self, step: int, tree: Any) -> None:
     failpoints.hit("persistent.before_save", step)
     self._saving_step = step  # before save: the finalize callback reads it
@@ -206,12 +215,11 @@ class PersistentTier:
     failpoints.hit("persistent.after_save_call", step)
 
   def save(self, step: int, tree: Any) -> None:
-    """Starts an async save of device arrays. Called by: every process of the
-    primary slice. Blocks on Orbax's device-to-host copy of the shards, and on
-    the previous upload if it still runs (see wait_previous)."""
-    assert self._manager is not None, "only the primary slice saves persistently"
+    """Starts an async save of device arrays, after wait_previous(step).
+    Called by: every process of the primary slice. Blocks on Orbax's
+    device-to-host copy of the shards."""
+    self._check_ready()
     check_replicated(tree, self._topology.replica_axis_name)
-    self.wait_previous(step)
     self._start(step, tree)
 
   def save_snapshot(
@@ -221,11 +229,10 @@ class PersistentTier:
     only): `make_tree()` builds arrays aliasing the snapshot, on the upload
     thread; `release()` runs once Orbax no longer reads it (the upload ended
     or failed). Called by: every process of the primary slice, in the same
-    step order. Blocks only on the previous upload (see wait_previous)."""
-    assert self._manager is not None, "only the primary slice saves persistently"
+    step order, after wait_previous(step). Blocks on nothing."""
     try:
+      self._check_ready()
       check_replicated(tree, self._topology.replica_axis_name)
-      self.wait_previous(step)
     except BaseException:
       release()
       raise
