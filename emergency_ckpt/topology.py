@@ -146,12 +146,16 @@ class Collectives:
   the same order. Single-process jobs need no coordination service.
   """
 
-  def __init__(self, topology: Topology, *, namespace: str, timeout_s: float):
+  def __init__(
+    self, topology: Topology, *, namespace: str, timeout_s: float, client: Any = None
+  ):
+    """`client`: the coordination-service client (default: jax.distributed's;
+    the scale benchmark passes simulated processes' own clients)."""
     self._topology = topology
     self._namespace = namespace
     self._timeout_s = timeout_s
-    self._client = None
-    if topology.process_count > 1:
+    self._client = client
+    if client is None and topology.process_count > 1:
       client = jax._src.distributed.global_state.client  # noqa: SLF001
       if client is None:
         raise TopologyError(
@@ -174,11 +178,16 @@ class Collectives:
   ) -> dict[int, Any]:
     """All-gathers one JSON value per process. Blocks until all arrive.
 
+    Three calls to the coordination service per process, whatever the
+    process count: set its own key, one barrier, one directory get (before,
+    one blocking get per process: N calls each, N^2 on the service).
+
     Called by: every process in `processes` (all by default).
     Raises CollectiveTimeoutError naming the processes that did not arrive.
     """
     me = self._topology.process_index
-    procs = list(range(self._topology.process_count)) if processes is None else sorted(processes)
+    every = list(range(self._topology.process_count))
+    procs = every if processes is None else sorted(processes)
     if me not in procs:
       raise ValueError(f"process {me} is not among {procs} for exchange {name!r}")
     encoded = json.dumps(payload, sort_keys=True)
@@ -187,34 +196,30 @@ class Collectives:
     key = _next_key(self._namespace, name)
     self._client.key_value_set(f"{key}/{me}", encoded)
     timeout_s = self._timeout_s if timeout_s is None else timeout_s
-    deadline = time.monotonic() + timeout_s
-    out: dict[int, Any] = {}
-    pending = list(procs)
-    while pending:
-      p = pending[0]
-      remaining_ms = int(max(0.0, deadline - time.monotonic()) * 1000)
-      try:
-        value = self._client.blocking_key_value_get(f"{key}/{p}", max(remaining_ms, 1))
-      except Exception:  # noqa: BLE001 - the client raises a generic error on timeout
-        missing = self._missing(key, pending)
-        raise CollectiveTimeoutError(
-          f"{self._topology.log_prefix()} exchange {name!r} timed out after"
-          f" {timeout_s:.0f}s waiting for processes {missing} (of {procs});"
-          " they may be hung, stopped or dead. Check their logs, then restart"
-          " the job; raise collective_timeout_s if they are only slow."
-        ) from None
-      out[p] = json.loads(value)
-      pending.pop(0)
-    return out
+    try:
+      self._client.wait_at_barrier(
+        f"{key}/all", max(1, int(timeout_s * 1000)), None if procs == every else procs
+      )
+    except Exception:  # noqa: BLE001 - the client raises a generic error on timeout
+      got = self._values(key)
+      missing = [p for p in procs if p not in got]
+      raise CollectiveTimeoutError(
+        f"{self._topology.log_prefix()} exchange {name!r} timed out after"
+        f" {timeout_s:.0f}s waiting for processes {missing} (of {procs});"
+        " they may be hung, stopped or dead. Check their logs, then restart"
+        " the job; raise collective_timeout_s if they are only slow."
+      ) from None
+    got = self._values(key)
+    return {p: json.loads(got[p]) for p in procs}
 
-  def _missing(self, key: str, pending: list[int]) -> list[int]:
-    missing = []
-    for q in pending:
-      try:
-        self._client.key_value_try_get(f"{key}/{q}")
-      except Exception:  # noqa: BLE001 - raised when the key does not exist
-        missing.append(q)
-    return missing
+  def _values(self, key: str) -> dict[int, str]:
+    """{process: its raw value} of exchange `key`, in one directory get."""
+    out = {}
+    for k, v in self._client.key_value_dir_get(f"{key}/"):
+      tail = k.rsplit("/", 1)[-1]
+      if tail.isdigit():
+        out[int(tail)] = v
+    return out
 
   def barrier(
     self, name: str, *, processes: Sequence[int] | None = None, timeout_s: float | None = None
