@@ -107,6 +107,7 @@ class CheckpointManager:
       topology=topo,
       staging=self._staging,
       retainer=self._retainer,
+      collectives=self._collectives,
       records=self._records,
       events=self._events,
       background=self._background,

@@ -56,6 +56,7 @@ class SavePipeline:
     persistent,
     state: StateStore,
     retainer: Retainer,
+    collectives,
     records: StepRecords,
     events: EventLog,
     background: Background,
@@ -70,6 +71,7 @@ class SavePipeline:
     self._persistent = persistent
     self._state = state
     self._retainer = retainer
+    self._collectives = collectives
     self._records = records
     self._events = events
     self._background = background
@@ -172,6 +174,7 @@ class SavePipeline:
       except Exception as e:
         self.durable(step, "state", None, f"{type(e).__name__}: {e}")
         raise
+      self._collectives.count(f"state_written_{step}")  # the primary's commit hint
       self.durable(step, "state", None)
 
     write = self._background.submit("state-write", write_state)
@@ -185,6 +188,9 @@ class SavePipeline:
       timeout_s=self._options.state_commit_timeout_s,
       metrics=self._records.metrics.get(step),
       info=self._records.info.get(step),
+      written=lambda timeout_s: self._collectives.wait_count(
+        f"state_written_{step}", self._topology.process_count, timeout_s=timeout_s
+      ),
     )
     if committed:
       self._retainer.after_commit(step)

@@ -19,6 +19,7 @@ import logging
 import math
 import time
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 from etils import epath
@@ -153,13 +154,21 @@ class StateStore:
     poll_s: float = 0.05,
     metrics: dict | None = None,
     info: dict | None = None,
+    written: Callable[[float], bool] | None = None,
   ) -> bool:
     """Writes COMMIT once every process's file exists. Called by: the primary
     process only. Blocks (polling) up to `timeout_s`; False if it gave up.
 
-    The COMMIT record also holds the step's `metrics` (for keep_best and
-    best_step) and `info` (topology, bytes, save time) for metadata()."""
+    `written(timeout_s)`: a hint that every process wrote its file (the
+    coordination service's counter, so the primary does not list the folder
+    over and over while thousands of files arrive); waited for first, then
+    the listing decides (normally once per commit; polled as before if the
+    hint was wrong or timed out). The COMMIT record also holds the step's
+    `metrics` (for keep_best and best_step) and `info` (topology, bytes,
+    save time) for metadata()."""
     deadline = time.monotonic() + timeout_s
+    if written is not None:
+      written(timeout_s)
     while True:
       missing = self.missing(step)
       if not missing:

@@ -126,16 +126,17 @@ def topology_from_mesh(mesh: jax.sharding.Mesh, replica_axis: str | int) -> Topo
   )
 
 
-# One sequence per exchange name, process-wide: every process makes the same
-# calls in the same order, so the n-th call of a name gets the same key
-# everywhere, even across several managers in one process.
-_SEQUENCES: dict[str, itertools.count] = {}
+# One sequence per exchange name and coordination-service client (one per
+# process, or per simulated process in the scale benchmark): every process
+# makes the same calls in the same order, so the n-th call of a name gets the
+# same key everywhere, even across several managers in one process.
+_SEQUENCES: dict[tuple[int, str], itertools.count] = {}
 _SEQ_LOCK = threading.Lock()
 
 
-def _next_key(namespace: str, name: str) -> str:
+def _next_key(namespace: str, name: str, client: Any) -> str:
   with _SEQ_LOCK:
-    counter = _SEQUENCES.setdefault(f"{namespace}/{name}", itertools.count())
+    counter = _SEQUENCES.setdefault((id(client), f"{namespace}/{name}"), itertools.count())
     return f"emergency_ckpt/{namespace}/{name}/{next(counter)}"
 
 
@@ -146,9 +147,7 @@ class Collectives:
   the same order. Single-process jobs need no coordination service.
   """
 
-  def __init__(
-    self, topology: Topology, *, namespace: str, timeout_s: float, client: Any = None
-  ):
+  def __init__(self, topology: Topology, *, namespace: str, timeout_s: float, client: Any = None):
     """`client`: the coordination-service client (default: jax.distributed's;
     the scale benchmark passes simulated processes' own clients)."""
     self._topology = topology
@@ -193,7 +192,7 @@ class Collectives:
     encoded = json.dumps(payload, sort_keys=True)
     if self._client is None or len(procs) == 1:
       return {me: json.loads(encoded)}
-    key = _next_key(self._namespace, name)
+    key = _next_key(self._namespace, name, self._client)
     self._client.key_value_set(f"{key}/{me}", encoded)
     timeout_s = self._timeout_s if timeout_s is None else timeout_s
     try:
@@ -242,6 +241,44 @@ class Collectives:
       self._client.key_value_set(self._signal_key(name), "1")
     except Exception as e:  # noqa: BLE001 - already raised, or the service is gone
       logger.debug("%s signal %r not set: %s", self._topology.log_prefix(), name, e)
+
+  def _count_key(self, name: str) -> str:
+    return f"emergency_ckpt/{self._namespace}/count/{name}"
+
+  def count(self, name: str) -> None:
+    """Adds one to the job-wide counter `name`: a hint, like signal() (e.g.
+    "my state file of step N is written"; readers still check storage).
+    Called by: any process. One call to the coordination service; a failure
+    is logged, not raised. A no-op in single-process jobs."""
+    if self._client is None:
+      return
+    try:
+      self._client.key_value_increment(self._count_key(name), 1)
+    except Exception as e:  # noqa: BLE001 - the service is gone: storage still decides
+      logger.debug("%s count %r not raised: %s", self._topology.log_prefix(), name, e)
+
+  def wait_count(self, name: str, target: int, *, timeout_s: float, poll_s: float = 0.5) -> bool:
+    """True once counter `name` reached `target` (at once in single-process
+    jobs: nobody counts there); False after `timeout_s`. Called by: one
+    process. Polls the counter (one call each), 5 ms at first, backing off to
+    `poll_s`."""
+    if self._client is None:
+      return True
+    key = self._count_key(name)
+    deadline = time.monotonic() + timeout_s
+    wait = 0.005
+    while True:
+      try:
+        if self._client.key_value_increment(key, 0) >= target:
+          return True
+      except Exception as e:  # noqa: BLE001 - the service is gone: storage decides
+        logger.debug("%s count %r unreadable: %s", self._topology.log_prefix(), name, e)
+        return False
+      left = deadline - time.monotonic()
+      if left <= 0:
+        return False
+      time.sleep(min(wait, left))
+      wait = min(wait * 2, poll_s)
 
   def wait_signal(
     self, name: str, *, timeout_s: float, stop: threading.Event, poll_s: float = 1.0

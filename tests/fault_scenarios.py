@@ -41,7 +41,7 @@ _ORIG_NEXT_KEY = topology_lib._next_key  # noqa: SLF001
 def use_namespace(tag: str) -> None:
   """Puts every later exchange of this process under `tag` (all processes call
   it with the same tag at the same point)."""
-  topology_lib._next_key = lambda ns, name: _ORIG_NEXT_KEY(f"{ns}.{tag}", name)  # noqa: SLF001
+  topology_lib._next_key = lambda ns, name, client: _ORIG_NEXT_KEY(f"{ns}.{tag}", name, client)  # noqa: SLF001
 
 
 def me() -> int:

@@ -238,6 +238,38 @@ def test_commit_waits_for_a_late_writer(tmp_path):
   assert ss[0].committed_steps() == [10]
 
 
+def test_commit_lists_once_when_the_written_hint_says_every_file_is_there(tmp_path, monkeypatch):
+  """With the coordination service's counter as a hint (issue 15), the
+  primary waits on it, then lists the step's folder once; a hint that lies
+  (says ready too early) costs polling, never a wrong COMMIT."""
+  import threading
+
+  from emergency_ckpt import storage
+
+  listings = []
+  real = storage.list_names
+  monkeypatch.setattr(storage, "list_names", lambda path: listings.append(path) or real(path))
+  ss = save_step(tmp_path, 10, commit=False, skip=(1,))
+  late = threading.Timer(0.2, lambda: ss[1].write(10, payload(1, 10)))
+  hinted = []
+
+  def written(timeout_s):
+    late.start()
+    late.join()  # the counter reaches its target once the last file is written
+    hinted.append(timeout_s)
+    return True
+
+  assert ss[0].commit(10, timeout_s=5.0, written=written) is True
+  assert hinted == [5.0] and len(listings) == 1
+  assert ss[0].committed_steps() == [10]
+  listings.clear()
+  ss = save_step(tmp_path, 20, commit=False, skip=(2,))
+  threading.Timer(0.2, lambda: ss[2].write(20, payload(2, 20))).start()
+  assert ss[0].commit(20, timeout_s=5.0, poll_s=0.02, written=lambda t: True) is True
+  assert len(listings) > 1  # the lie was caught by the listing
+  assert ss[0].missing(20) == []
+
+
 def test_delete_removes_step(tmp_path):
   ss = save_step(tmp_path, 10)
   save_step(tmp_path, 20)
