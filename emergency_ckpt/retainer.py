@@ -78,7 +78,7 @@ class Retainer:
     plan = retention.local_plan(
       steps,
       self._options.retention("local"),
-      is_committed=self._state.is_committed,
+      is_committed=self._state.has_commit,  # no listing per save (issue 15)
       metrics=self.metrics_of(steps),
     )
     if len(plan.keep) > self._options.local.max_to_keep + 2:

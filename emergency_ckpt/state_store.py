@@ -244,6 +244,13 @@ class StateStore:
     """Steps whose COMMIT exists and lists files that are all present."""
     return list(self.committed_records())
 
+  def has_commit(self, step: int) -> bool:
+    """`step` has a valid COMMIT (one small read, no listing): what local
+    retention asks after every save on every process, so it must not list a
+    folder of one file per process. The files COMMIT names are checked where
+    they are read (restore) and by committed_steps()."""
+    return self.record(step) is not None
+
   def is_committed(self, step: int) -> bool:
     marker = self.record(step)
     return marker is not None and not self.missing(step, marker["process_count"])

@@ -306,3 +306,17 @@ def test_record_is_the_commit_record_and_committed_records_agree(tmp_path):
   assert ss[0].record(20) is None and ss[0].record(99) is None
   assert ss[0].committed_records() == {10: record}
   assert ss[0].saved_process_count(10) == N and ss[0].saved_process_count(20) is None
+
+
+def test_has_commit_reads_the_marker_without_listing(tmp_path, monkeypatch):
+  """Local retention asks after every save on every process: one small read,
+  never a listing of the step's folder (one file per process)."""
+  from emergency_ckpt import storage
+
+  ss = save_step(tmp_path, 10)
+  save_step(tmp_path, 20, commit=False)
+  listings = []
+  real = storage.list_names
+  monkeypatch.setattr(storage, "list_names", lambda path: listings.append(path) or real(path))
+  assert ss[0].has_commit(10) and not ss[0].has_commit(20) and not ss[0].has_commit(30)
+  assert listings == []
