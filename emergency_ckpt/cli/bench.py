@@ -1,5 +1,6 @@
 """`emergency-ckpt bench`: run the benchmark (emergency_ckpt.bench.run) with a
-numbered progress line per job."""
+numbered progress line per job; with --scale, the scale benchmark
+(emergency_ckpt.bench.scale) instead."""
 
 from __future__ import annotations
 
@@ -83,7 +84,43 @@ class _BenchProgress:
       self.progress.status(f"{text} ... {time.monotonic() - t:.0f}s{detail}")
 
 
+def add_scale_arguments(parser) -> None:
+  """The `bench` subcommand's --scale options (build_parser calls this)."""
+  parser.add_argument(
+    "--scale",
+    action="store_true",
+    help="run the scale benchmark instead (emergency_ckpt.bench.scale): the exchange against a"
+    " real coordination service with K simulated processes, and the restore planner at"
+    " 16,384 processes; writes OUT/scale.json, scale.md, scale.png (--reps: timed exchanges"
+    " per K; --quick: K up to 64, planner at 1,024 processes)",
+  )
+  parser.add_argument(
+    "--max-k", type=int, metavar="K", help="--scale: largest simulated process count (2048)"
+  )
+
+
+def scale_argv(a) -> list[str]:
+  """`python -m emergency_ckpt.bench.scale` arguments for `emergency-ckpt bench --scale`."""
+  argv = ["--out", a.out]
+  if getattr(a, "max_k", None) is not None:
+    argv += ["--max-k", str(a.max_k)]
+  if a.reps is not None:
+    argv += ["--reps", str(a.reps)]
+  if a.quick:
+    argv += ["--ks", "4,16,64", "--planner-processes", "256,1024"]
+  return argv
+
+
+def cmd_bench_scale(a) -> int:
+  from emergency_ckpt.bench import scale  # noqa: PLC0415 - pulls in JAX
+
+  os.makedirs(a.out, exist_ok=True)
+  return scale.main(scale_argv(a))
+
+
 def cmd_bench(a) -> int:
+  if getattr(a, "scale", False):
+    return cmd_bench_scale(a)
   run = _bench_module()
   argv = ["--out", a.out]
   if a.quick:

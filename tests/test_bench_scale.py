@@ -1,0 +1,97 @@
+"""The scale benchmark (`python -m emergency_ckpt.bench.scale`) at a tiny size.
+
+One subprocess run: the library's exchange against a real coordination
+service with 4 and 16 simulated processes (the old algorithm too), and the
+restore planner at 64 and 256 processes. Checks the output's shape, that the
+exchange makes 3 calls to the service per process whatever K (the old one
+K + 1), and the planner's answer. No timing assertions: the machine is shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+from emergency_ckpt.cli.bench import add_scale_arguments, scale_argv
+
+STEPS = 50
+NEWEST = 100 * STEPS  # the planner's steps are 100, 200, ... 100 * STEPS
+
+
+def test_scale_benchmark_tiny(tmp_path):
+  out = tmp_path / "scale"
+  cmd = [sys.executable, "-m", "emergency_ckpt.bench.scale", "--ks", "4,16", "--reps", "1"]
+  cmd += ["--planner-processes", "64,256", "--planner-reps", "1", "--timeout", "60"]
+  cmd += ["--out", str(out)]
+  proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-6000:]
+  assert "[scale" in proc.stderr  # progress lines
+  assert "growth exponent" in proc.stdout
+
+  doc = json.loads((out / "scale.json").read_text())
+  stages = doc["stages"]
+  assert set(stages) == {"exchange", "exchange_old", "planner"}
+  for stage in stages.values():
+    assert stage["points"] and "fit" in stage and stage["label"]
+
+  new = stages["exchange"]["points"]
+  assert [p["k"] for p in new] == [4, 16]
+  for p in new:  # three calls each, however many processes
+    assert p["calls_per_process_min"] == p["calls_per_process_max"] == 3, p
+    assert p["calls_by_method"] == {
+      "key_value_dir_get": 1,
+      "key_value_set": 1,
+      "wait_at_barrier": 1,
+    }
+    assert p["wall_s"] > 0 and len(p["wall_s_reps"]) == 1
+    # every process receives every process's inventory (200-400 bytes each)
+    assert 200 <= p["payload_bytes_mean"] <= 400
+    assert p["bytes_received_per_process"] >= p["k"] * p["payload_bytes_mean"]
+  old = stages["exchange_old"]["points"]
+  assert [p["k"] for p in old] == [4, 16]
+  for p in old:  # the previous algorithm: set + one blocking get per process
+    assert p["calls_per_process_min"] == p["calls_per_process_max"] == p["k"] + 1, p
+
+  planner = stages["planner"]["points"]
+  assert [p["k"] for p in planner] == [64, 256]
+  for p in planner:
+    assert p["correct"], p
+    assert p["slices"] == 64 and p["steps"] == STEPS
+    got = p["result"]
+    assert got["newest_step"] == NEWEST and got["candidates"] == STEPS
+    # slices 5, 21, 37, 53 lost the newest steps on one process: a peer sends them
+    assert got["peer_slices"] == 4 and got["local_slices"] == 60 and got["peer_source"] == 0
+    assert p["tracemalloc_peak_bytes"] > 0 and p["peak_bytes_per_process"] > 0
+  assert stages["planner"]["fit"]["exponent"] is not None  # 64 and 256 are both >= 64
+
+  md = (out / "scale.md").read_text()
+  assert "| K |" in md and "Restore planner" in md and "OLD algorithm" in md
+  try:
+    import matplotlib  # noqa: F401
+  except ImportError:
+    assert "no scale.png" in proc.stdout
+  else:
+    assert (out / "scale.png").stat().st_size > 0
+
+
+def test_cli_scale_arguments():
+  p = argparse.ArgumentParser()
+  p.add_argument("--out", default="bench_out")
+  p.add_argument("--reps", type=int)
+  p.add_argument("--quick", action="store_true")
+  add_scale_arguments(p)
+  a = p.parse_args(["--scale", "--max-k", "256", "--out", "o"])
+  assert a.scale and scale_argv(a) == ["--out", "o", "--max-k", "256"]
+  a = p.parse_args(["--scale", "--quick", "--reps", "2"])
+  assert scale_argv(a) == [
+    "--out",
+    "bench_out",
+    "--reps",
+    "2",
+    "--ks",
+    "4,16,64",
+    "--planner-processes",
+    "256,1024",
+  ]
