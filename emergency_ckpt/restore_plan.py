@@ -99,13 +99,29 @@ def _shared(invs: Sequence[Inventory], field: str) -> tuple[int, ...]:
   return ()
 
 
+def slice_steps(
+  invs: Sequence[Inventory], slice_processes: Sequence[Sequence[int]]
+) -> list[set[int]]:
+  """Per slice, the steps every one of its processes holds locally (one
+  pass over the inventories: linear in processes)."""
+  local = {inv.process: inv.local_steps for inv in invs}
+  out = []
+  for procs in slice_processes:
+    held: set[int] | None = None
+    for p in procs:
+      steps = local.get(p, ())
+      held = set(steps) if held is None else held.intersection(steps)
+      if not held:
+        break
+    out.append(held or set())
+  return out
+
+
 def complete_slices(
   step: int, invs: Sequence[Inventory], slice_processes: Sequence[Sequence[int]]
 ) -> tuple[int, ...]:
-  local = {inv.process: set(inv.local_steps) for inv in invs}
-  return tuple(
-    s for s, procs in enumerate(slice_processes) if all(step in local.get(p, ()) for p in procs)
-  )
+  """Slices every process of which holds `step` locally."""
+  return tuple(s for s, held in enumerate(slice_steps(invs, slice_processes)) if step in held)
 
 
 def candidates(
@@ -113,11 +129,12 @@ def candidates(
 ) -> list[Candidate]:
   """Restorable steps by markers, newest first (only `step` if given)."""
   persistent = set(_shared(invs, "persistent_steps"))
+  held = slice_steps(invs, slice_processes)
   out = []
   for s in sorted(set(_shared(invs, "state_steps")), reverse=True):
     if step is not None and s != step:
       continue
-    local = complete_slices(s, invs, slice_processes)
+    local = tuple(i for i, steps in enumerate(held) if s in steps)
     if local or s in persistent:
       out.append(Candidate(s, local, s in persistent))
   return out

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from emergency_ckpt.cli.bench import cmd_bench
+from emergency_ckpt.cli.bench import add_scale_arguments, cmd_bench
 from emergency_ckpt.cli.gc import cmd_gc, plan_gc
 from emergency_ckpt.cli.inspect import cmd_inspect, cmd_verify, collect
 from emergency_ckpt.cli.report import cmd_report, draw_timeline, summarize_events
@@ -226,6 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
   s.add_argument(
     "--verbose", action="store_true", help="the benchmark's detailed log to stderr, not a file"
   )
+  add_scale_arguments(s)
   s.set_defaults(fn=cmd_bench)
 
   s = sub.add_parser(
