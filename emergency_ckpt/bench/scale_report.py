@@ -1,0 +1,194 @@
+"""The scale benchmark's markdown table and log-log plot, from its JSON."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+FIT_MIN_K = 64  # growth is fitted over K >= this
+EXTRAPOLATE_K = 16_384
+PLANNER_TARGET_S = 0.1
+
+
+def fmt_secs(v: float | None) -> str:
+  if v is None:
+    return "n/a"
+  if v >= 100:
+    return f"{v:,.0f} s"
+  if v >= 10:
+    return f"{v:.1f} s"
+  if v >= 1:
+    return f"{v:.2f} s"
+  return f"{v * 1000:.1f} ms" if v >= 0.001 else f"{v * 1e6:.0f} us"
+
+
+def _kib(v: float) -> str:
+  return f"{v / 1024:,.1f} KiB"
+
+
+def growth_rows(stages: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+  rows = []
+  for stage in stages.values():
+    rows.append((stage["label"] + ": wall time", stage["fit"]))
+    if "fit_cpu" in stage:
+      rows.append((stage["label"] + ": CPU per process", stage["fit_cpu"]))
+  return rows
+
+
+def render_markdown(doc: dict[str, Any]) -> str:
+  cfg, stages = doc["config"], doc["stages"]
+  new = {p["k"]: p for p in stages["exchange"]["points"]}
+  old = {p["k"]: p for p in stages["exchange_old"]["points"]}
+  argv = " ".join(["python -m emergency_ckpt.bench.scale", *cfg["argv"]])
+  lines = [
+    "# Scale benchmark: exchange and restore planner over the process count",
+    "",
+    f"Run {cfg['started_at']} on {cfg['cpus']} CPUs (load average before:"
+    f" {cfg['loadavg_before']}, after: {doc['loadavg_after']}); jax {cfg['versions']['jax']};"
+    f" {doc['wall_s']:.0f} s in all. Command: `{argv}`.",
+    "",
+    "## Exchange: K simulated processes against one real JAX coordination service",
+    "",
+    "One client and one thread per simulated process, all in one Python program on"
+    f" 127.0.0.1 (GIL switch interval {cfg['switch_interval_s'] * 1000:.0f} ms)."
+    f" Payload: an inventory JSON of {_payload(stages)} bytes on average. Time: from the"
+    f" release of one start event to the last process's return, median of {cfg['reps']}"
+    " after one warm-up; it is the work of all K processes and the service on this"
+    " machine's cores, so it is pessimistic. CPU/process: the median thread CPU time of"
+    " one process's exchange (decoding K inventories, its gRPC calls; some GIL"
+    " contention left), closer to what each process of a real job spends. Calls and"
+    " bytes received: per process per exchange, counted by a wrapper around each"
+    " client. New = the library's `Collectives.exchange`; old = the previous algorithm"
+    f" (set + one blocking get per process), re-implemented in the benchmark, K <="
+    f" {cfg['old_max_k']} only.",
+    "",
+    "| K | new: time | new: CPU/process | new: calls/process | new: received/process"
+    " | new: service sends | new: set / barrier / dir get (median per process, GIL waits"
+    " included) | old: time | old: CPU/process | old: calls/process | connect K clients |",
+    "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+  ]
+  for k in sorted(new):
+    p, o = new[k], old.get(k)
+    m = p["method_s_median"]
+    split = " / ".join(
+      fmt_secs(m.get(n)) for n in ("key_value_set", "wait_at_barrier", "key_value_dir_get")
+    )
+    lines.append(
+      f"| {k:,} | {fmt_secs(p['wall_s'])} | {fmt_secs(p['cpu_s_per_process'])} | {calls_text(p)}"
+      f" | {_kib(p['bytes_received_per_process'])}"
+      f" | {p['service_bytes_sent'] / 2**20:,.1f} MiB | {split}"
+      f" | {fmt_secs(o['wall_s']) if o else '-'} | {fmt_secs(o['cpu_s_per_process']) if o else '-'}"
+      f" | {calls_text(o) if o else '-'} | {fmt_secs(p['connect_s'])} |"
+    )
+  pl = stages["planner"]["points"]
+  lines += [
+    "",
+    f"## Restore planner ({pl[0]['slices'] if pl else '?'} slices x"
+    f" {pl[0]['steps'] if pl else '?'} committed steps)",
+    "",
+    "Every process's inventory parsed from its exchanged JSON (`Inventory.from_json`),"
+    " then `restore_plan.candidates` (all committed steps) and `decide` for the newest"
+    f" candidate; median of {cfg['planner_reps']}. Target for candidates + decide:"
+    f" under {PLANNER_TARGET_S * 1000:.0f} ms. Memory: tracemalloc peak of parse +"
+    " candidates + decide above the exchanged JSON.",
+    "",
+    "| processes | parse inventories | candidates | decide | candidates + decide"
+    " | peak memory | per process | newest step (local / peer slices) | correct |",
+    "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | :---: |",
+  ]
+  for p in pl:
+    r = p["result"]
+    lines.append(
+      f"| {p['k']:,} | {fmt_secs(p['parse_s'])} | {fmt_secs(p['candidates_s'])}"
+      f" | {fmt_secs(p['decide_s'])} | {fmt_secs(p['wall_s'])}"
+      f" | {p['tracemalloc_peak_bytes'] / 2**20:,.1f} MiB"
+      f" | {p['peak_bytes_per_process']:,.0f} B | {r['newest_step']}"
+      f" ({r['local_slices']} / {r['peer_slices']}) | {'yes' if p['correct'] else 'NO'} |"
+    )
+  lines += [
+    "",
+    f"## Growth (least squares of log time on log K over K >= {FIT_MIN_K})",
+    "",
+    f"| stage | exponent | sizes fitted | extrapolated to K = {EXTRAPOLATE_K:,} |",
+    "| --- | ---: | --- | ---: |",
+  ]
+  for label, f in growth_rows(stages):
+    exp = "n/a" if f["exponent"] is None else f"{f['exponent']:.2f}"
+    ks = ", ".join(f"{k:,}" for k in f["ks"]) or "-"
+    lines.append(f"| {label} | {exp} | {ks} | {fmt_secs(f['extrapolated_s'])} |")
+  if doc.get("notes"):
+    lines += ["", "## Notes", ""] + [f"- {n}" for n in doc["notes"]]
+  return "\n".join(lines) + "\n"
+
+
+def _payload(stages) -> str:
+  pts = stages["exchange"]["points"]
+  return f"{pts[0]['payload_bytes_mean']:.0f}" if pts else "?"
+
+
+def calls_text(p: dict[str, Any]) -> str:
+  lo, hi = p["calls_per_process_min"], p["calls_per_process_max"]
+  return f"{hi:,}" if lo == hi else f"{lo:,}-{hi:,}"
+
+
+def write_png(doc: dict[str, Any], path: str) -> str | None:
+  """Log-log time against K, one line per stage (and the exchanges' CPU per
+  process, dotted); None, or why there is no PNG."""
+  try:
+    import matplotlib  # noqa: PLC0415 - optional, not a dependency of the package
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+    from matplotlib.ticker import FixedLocator, NullLocator  # noqa: PLC0415
+  except ImportError:
+    return "matplotlib is not installed: no scale.png (pip install matplotlib)"
+  fig, ax = plt.subplots(figsize=(9, 6))
+  ks: set[int] = set()
+  for name, stage in doc["stages"].items():
+    series = [("wall_s", stage["fit"], "-", " wall")]
+    if "fit_cpu" in stage:
+      series.append(("cpu_s_per_process", stage["fit_cpu"], ":", " CPU/process"))
+    color = None
+    for key, f, style, what in series:
+      pts = [p for p in stage["points"] if p.get(key)]
+      if not pts:
+        continue
+      ks.update(p["k"] for p in pts)
+      exp = "" if f["exponent"] is None else f" (slope {f['exponent']:.2f})"
+      (line,) = ax.plot(
+        [p["k"] for p in pts],
+        [p[key] for p in pts],
+        marker="o" if style == "-" else ".",
+        linestyle="--" if name == "exchange_old" and style == "-" else style,
+        color=color,
+        label=stage["label"] + (what if "fit_cpu" in stage else "") + exp,
+      )
+      color = line.get_color()
+  ax.axhline(PLANNER_TARGET_S, color="grey", linewidth=0.8, linestyle="-.")
+  ax.text(min(ks or {1}), PLANNER_TARGET_S * 1.1, "planner target", color="grey", fontsize=8)
+  ax.set_xscale("log")
+  ax.set_yscale("log")
+  ax.xaxis.set_major_locator(FixedLocator(sorted(ks)))
+  ax.xaxis.set_minor_locator(NullLocator())
+  ax.set_xticklabels([f"{k:,}" for k in sorted(ks)], fontsize=8)
+  ax.set_xlabel("processes K")
+  ax.set_ylabel("seconds (median)")
+  ax.set_title("emergency_ckpt at scale (K simulated processes on one machine)")
+  ax.grid(True, which="both", alpha=0.3)
+  ax.legend(fontsize=7, loc="lower right")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return None
+
+
+def service_bytes_at(points: Sequence[dict[str, Any]], k: int) -> str:
+  """K^2 entries of the measured size per entry (key + value), as text."""
+  if not points:
+    return "?"
+  last = max(points, key=lambda p: p["k"])
+  per_entry = last["bytes_received_per_process"] / last["k"]
+  return f"{k * k * per_entry / 2**30:,.0f} GiB"
+
+
+# ---- main -----------------------------------------------------------------------------------------
