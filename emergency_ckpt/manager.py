@@ -63,7 +63,6 @@ class CheckpointManager:
 
   def __init__(self, options: CheckpointManagerOptions, *, mesh: jax.sharding.Mesh):
     self._options = options
-    self._mesh = mesh
     self._topology = topo = topology_from_mesh(mesh, options.replica_axis)
     self._run_id = options.effective_run_id
     init_orbax_multihost()

@@ -30,6 +30,7 @@ from emergency_ckpt import peer, restore_plan
 from emergency_ckpt import shards as shards_lib
 from emergency_ckpt.errors import (
   CorruptCheckpointError,
+  EmergencyCheckpointError,
   NoRestorableCheckpointError,
   PeerTransferError,
   StateMismatchError,
@@ -61,7 +62,6 @@ class Outcome:
   state: Any
   data_state: Any
   source: str
-  tried: list[str]
 
 
 class Restorer:
@@ -93,17 +93,15 @@ class Restorer:
     Either way (unless mismatched) it records a restore event (`started`:
     time.monotonic() when restore() began) and prepares the next save's
     staging buffer in the background, while the trainer goes on."""
-    paths, abstract, _ = shards_lib.leaf_paths(abstract_state)
-    out, tried = self._restore(abstract_state, invs, step)
+    paths, abstract, treedef = shards_lib.leaf_paths(abstract_state)
+    out, tried = self._restore(abstract_state, paths, abstract, treedef, invs, step)
     self._staging.prepare(paths, abstract)
     if out is None:
-      try:
-        self.raise_absent(invs, step, tried)
-      except (NoRestorableCheckpointError, StepNotRestorableError) as e:
-        self._record(started, None, None, 0, tried, str(e))
-        raise
+      error = self._absence(invs, step, tried)
+      self._record(started, None, None, 0, tried, str(error))
+      raise error
     nbytes = int(sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in abstract))
-    self._record(started, out.step, out.source, nbytes, out.tried, None)
+    self._record(started, out.step, out.source, nbytes, tried, None)
     return out
 
   def _record(self, started, step, source, nbytes, tried, error) -> None:
@@ -117,10 +115,11 @@ class Restorer:
       error=error,
     )
 
-  def _restore(self, abstract_state, invs, step) -> tuple[Outcome | None, list[str]]:
+  def _restore(
+    self, abstract_state, paths, abstract, treedef, invs, step
+  ) -> tuple[Outcome | None, list[str]]:
     """(the restored step or None, why candidates were rejected)."""
     topo = self._topology
-    paths, abstract, treedef = shards_lib.leaf_paths(abstract_state)
     cands = restore_plan.candidates(invs, topo.slice_processes, step=step)
     peer_problem = peer.check_peer_compatible(paths, abstract, self._mesh, topo.replica_axis_name)
     tried: list[str] = []
@@ -160,11 +159,11 @@ class Restorer:
       source = plan.sources[topo.slice_index]
       logger.info("%s restored step %d from %s", topo.log_prefix(), plan.step, source)
       self._discard_newer(plan.step, {c.step for c in cands})
-      return Outcome(plan.step, state, data_state, source, tried), tried
+      return Outcome(plan.step, state, data_state, source), tried
     return None, tried
 
-  def raise_absent(self, invs, step: int | None, tried: list[str]) -> None:
-    """Raises the error for 'nothing restorable', naming what was found."""
+  def _absence(self, invs, step: int | None, tried: list[str]) -> EmergencyCheckpointError:
+    """The error for 'nothing restorable', naming what was found."""
     dirs = (
       f"local {self._local.directory} (per process), persistent"
       f" {self._options.persistent.directory}"
@@ -173,11 +172,11 @@ class Restorer:
     if tried:
       detail += "; rejected after verification: " + "; ".join(tried)
     if step is not None:
-      raise StepNotRestorableError(
+      return StepNotRestorableError(
         f"step {step} is not restorable. Looked in {dirs}. {detail}. Call"
         " all_steps() for the restorable steps."
       )
-    raise NoRestorableCheckpointError(
+    return NoRestorableCheckpointError(
       f"no restorable checkpoint. Looked in {dirs}. {detail}. Start from"
       " scratch, or point the options at the run's directories."
     )
