@@ -578,6 +578,17 @@ def damage_variants(args: dict) -> list[dict]:
   return out
 
 
+def sibling_alive_after(args: dict) -> bool | None:
+  """Process 0 sleeps args['sleep_s'] seconds, then says whether process 1
+  (which returned at once) is still alive; process 1 returns None."""
+  from emergency_ckpt.testing import launcher  # noqa: PLC0415
+
+  if me() != 0:
+    return None
+  time.sleep(args["sleep_s"])
+  return not launcher.process_gone(launcher.read_pid(launcher.job_output_dir(), 1))
+
+
 def sleep_then_return(args: dict) -> int:
   """Sleeps args['sleep_s'][process] seconds, then returns the process index."""
   time.sleep(args["sleep_s"][me()])

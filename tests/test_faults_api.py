@@ -338,6 +338,22 @@ def test_launcher_process0_exits_after_its_siblings(tmp_path):
   assert all(isinstance(p, int) for p in job.pids)
 
 
+def test_launcher_every_process_exits_after_its_siblings(tmp_path):
+  """A process that exits at once closes its Gloo sockets under a sibling still
+  reading the last collective (seen in CI: 'Gloo all-reduce failed: Connection
+  closed by peer'). Process 1 returns at once; 2 s later it is still alive."""
+  from emergency_ckpt.testing.launcher import run_job  # noqa: PLC0415
+
+  job = run_job(
+    "tests.fault_scenarios:sibling_alive_after",
+    2,
+    {"sleep_s": 2},
+    timeout_s=120,
+    out_dir=str(tmp_path),
+  )
+  assert job.check() == [True, None]
+
+
 def test_launcher_sees_dead_and_zombie_siblings(tmp_path):
   import subprocess  # noqa: PLC0415
   import time  # noqa: PLC0415

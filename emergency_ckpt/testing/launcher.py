@@ -11,10 +11,12 @@ from an installed wheel).
 
 Each process returns a JSON-able result, written to <out>/result_<i>.json; each
 writes its OS pid to <out>/pid_<i> first (so a process can signal a sibling:
-`read_pid(job_output_dir(), i)`). Process 0 hosts the coordination service: it
-exits last, after every other process wrote its result or died (bounded by
-EC_LAUNCHER_EXIT_WAIT_S, default 60 s), so its exit never aborts a sibling that
-is still writing its result. The launcher kills only its own children, by PID,
+`read_pid(job_output_dir(), i)`). Every process exits only after every other
+process wrote its result or died (bounded by EC_LAUNCHER_EXIT_WAIT_S, default
+60 s): process 0 hosts the coordination service, and any process's exit closes
+its collective (Gloo) sockets, so a process that left at once could abort a
+sibling still reading the last collective ("Connection closed by peer") or
+still writing its result. The launcher kills only its own children, by PID,
 after a timeout.
 
 Environment of each child (set by run_job): EC_JOB_COORD (coordinator
@@ -276,9 +278,9 @@ def _worker_main() -> None:
   with open(out + ".tmp", "w") as f:
     json.dump(doc, f)
   os.replace(out + ".tmp", out)
-  if pid == 0 and n > 1:
-    # Process 0 hosts the coordination service: exiting now would abort the
-    # others before they write their results.
+  if n > 1:
+    # Exiting now would close this process's collective sockets (and, on
+    # process 0, the coordination service) under siblings still using them.
     left = wait_for_siblings(out_dir, pid, n, float(os.environ.get(EXIT_WAIT_ENV, "60")))
     if left:
       print(f"launcher: exiting while processes {left} still run", file=sys.stderr)
