@@ -371,5 +371,10 @@ def test_launcher_sees_dead_and_zombie_siblings(tmp_path):
   t0 = time.monotonic()
   left = launcher.wait_for_siblings(str(tmp_path), 0, 4, timeout_s=0.5)
   assert left == [2] and time.monotonic() - t0 >= 0.5
+  # Process 0 leaves last: a sibling that wrote its result but still runs
+  # would abort once the coordination service it hosts is gone.
+  (tmp_path / "pid_3").write_text(str(os.getpid()))
+  left = launcher.wait_for_siblings(str(tmp_path), 0, 4, timeout_s=0.2, until_gone=True)
+  assert left == [2, 3]
   child.wait()
   assert launcher.process_gone(child.pid)  # reaped

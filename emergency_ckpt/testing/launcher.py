@@ -13,10 +13,10 @@ Each process returns a JSON-able result, written to <out>/result_<i>.json; each
 writes its OS pid to <out>/pid_<i> first (so a process can signal a sibling:
 `read_pid(job_output_dir(), i)`). Every process exits only after every other
 process wrote its result or died (bounded by EC_LAUNCHER_EXIT_WAIT_S, default
-60 s): process 0 hosts the coordination service, and any process's exit closes
-its collective (Gloo) sockets, so a process that left at once could abort a
-sibling still reading the last collective ("Connection closed by peer") or
-still writing its result. The launcher kills only its own children, by PID,
+60 s), since its exit closes its collective (Gloo) sockets: leaving at once
+could abort a sibling still reading the last collective ("Connection closed
+by peer"). Process 0 hosts the coordination service, so it leaves last, once
+the others are gone (a client that loses the service aborts). The launcher kills only its own children, by PID,
 after a timeout.
 
 Environment of each child (set by run_job): EC_JOB_COORD (coordinator
@@ -227,15 +227,18 @@ def process_gone(pid: int) -> bool:
   return state in ("Z", "X")
 
 
-def wait_for_siblings(out_dir: str, me: int, n: int, timeout_s: float) -> list[int]:
+def wait_for_siblings(
+  out_dir: str, me: int, n: int, timeout_s: float, *, until_gone: bool = False
+) -> list[int]:
   """Blocks until every other process of the job wrote its result file or
-  exited, or `timeout_s` passed; returns the processes still running then."""
+  exited (`until_gone`: exited), or `timeout_s` passed; returns the processes
+  still running then."""
   deadline = time.monotonic() + timeout_s
   pending = [i for i in range(n) if i != me]
   while True:
     still = []
     for i in pending:
-      if os.path.exists(os.path.join(out_dir, f"result_{i}.json")):
+      if not until_gone and os.path.exists(os.path.join(out_dir, f"result_{i}.json")):
         continue
       pid = read_pid(out_dir, i)
       if pid is not None and process_gone(pid):
@@ -279,9 +282,13 @@ def _worker_main() -> None:
     json.dump(doc, f)
   os.replace(out + ".tmp", out)
   if n > 1:
-    # Exiting now would close this process's collective sockets (and, on
-    # process 0, the coordination service) under siblings still using them.
-    left = wait_for_siblings(out_dir, pid, n, float(os.environ.get(EXIT_WAIT_ENV, "60")))
+    # Exiting now would close this process's collective sockets under
+    # siblings still using them. Process 0 hosts the coordination service:
+    # it leaves last, once the others are gone (a client that loses the
+    # service aborts, even after writing its result).
+    left = wait_for_siblings(
+      out_dir, pid, n, float(os.environ.get(EXIT_WAIT_ENV, "60")), until_gone=pid == 0
+    )
     if left:
       print(f"launcher: exiting while processes {left} still run", file=sys.stderr)
   sys.stdout.flush()
