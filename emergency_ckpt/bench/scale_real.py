@@ -57,6 +57,7 @@ DEFAULT_WIPE_SLICES = 2
 STEP = 1
 COLUMNS = 256  # float32 columns of the state's one large leaf
 TIMED = ("manager_init_s", "latest_step_s", "restore_s")
+WORKERS = "emergency_ckpt.bench.scale_real"  # by name: `python -m` runs this file as __main__
 
 
 # ---- inside the jobs ---------------------------------------------------------
@@ -230,14 +231,14 @@ def measure_one(
   try:
     _progress(f"{n} processes: save job")
     save = launcher.run_job(
-      f"{__name__}:save_worker", n, args, devices_per_process=1, timeout_s=timeout_s
+      f"{WORKERS}:save_worker", n, args, devices_per_process=1, timeout_s=timeout_s
     )
     saved = save.check()
     if not all(r["saved"] for r in saved):
       raise AssertionError(f"step {STEP} not saved everywhere: {saved}")
     _progress(f"{n} processes: restart job (slices {wipe} wiped)")
     restart = launcher.run_job(
-      f"{__name__}:restart_worker", n, args, devices_per_process=1, timeout_s=timeout_s
+      f"{WORKERS}:restart_worker", n, args, devices_per_process=1, timeout_s=timeout_s
     )
     recs = restart.check()
   finally:
