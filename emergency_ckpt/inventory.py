@@ -1,10 +1,12 @@
 """What every process holds, agreed: the inventory exchange and what follows from it.
 
-One exchange gives every process every process's inventory (its usable local
-steps, and from the primary process the persistent and committed state
-steps), so all of them compute the same restorable steps. Each process's
-host id rides along: the first exchange also checks that no machine runs
-processes of two slices (placement.py). metadata(step) is one more exchange.
+Each process reports its inventory (its usable local steps, and from the
+primary process the persistent and committed state steps); one gather_tree
+summarises them per slice and then for the job, so every process gets the
+same summary (restore_plan.JobInventory) and computes the same restorable
+steps, and nobody receives every process's inventory. Once per manager, the
+processes of each machine compare slices (placement.py: no machine may run
+processes of two slices). metadata(step) is one more gather_tree.
 
 Called by: every process (collectives through topology.Collectives).
 """
@@ -56,8 +58,8 @@ class Inventory:
     self.placement_problem: str | None = None
     """See CheckpointManager.placement_problem."""
 
-  def exchange(self, name: str) -> list[restore_plan.Inventory]:
-    """Every process's inventory, by process index. Called by: every process."""
+  def exchange(self, name: str) -> restore_plan.JobInventory:
+    """The job's inventory, summarised. Called by: every process."""
     topo = self._topology
     local, rejected = self._local.usable_steps()
     inv = restore_plan.Inventory(
@@ -67,33 +69,43 @@ class Inventory:
       local_rejected=rejected,
       persistent_steps=tuple(self._persistent.steps()) if topo.is_primary_process else None,
       state_steps=tuple(self._state.committed_steps()) if topo.is_primary_process else None,
-      host=self._host,
     )
-    got = self._collectives.exchange(name, inv.to_json())
-    invs = [restore_plan.Inventory.from_json(got[p]) for p in sorted(got)]
+    job = gather(self._collectives, inv, name)
     if not self._placement_checked:
-      self._check_placement(invs)
-    return invs
+      self._check_placement()
+    return job
 
-  def _check_placement(self, invs: list[restore_plan.Inventory]) -> None:
-    """Once per manager: does any machine run processes of two slices?"""
+  def _check_placement(self) -> None:
+    """Once per manager: does any machine run processes of two slices? The
+    processes of each machine compare slices; the first of a shared machine
+    reports it (so everyone receives only the problems)."""
     self._placement_checked = True
-    shared = placement.shared_hosts(
-      {inv.process: inv.host for inv in invs}, self._topology.slice_processes
-    )
-    self.placement_problem = placement.describe(shared)
-    if self.placement_problem and self._topology.is_primary_process:
-      self._events.record(
-        "placement", hosts=len({inv.host for inv in invs}), error=self.placement_problem
-      )
+    topo = self._topology
+    if topo.num_slices == 1:
+      return
+    mine = self._collectives.group_by("placement_hosts", self._host, topo.slice_index)
+    by_slice: dict[int, list[int]] = {}
+    for p, s in mine.items():
+      by_slice.setdefault(s, []).append(p)
+    report = None
+    if len(by_slice) > 1 and topo.process_index == min(mine):
+      report = {self._host: {str(s): sorted(ps) for s, ps in sorted(by_slice.items())}}
+    found = self._collectives.gather_sparse("placement", report)
+    shared = {
+      h: {int(s): tuple(ps) for s, ps in sl.items()}
+      for rep in found.values()
+      for h, sl in rep.items()
+    }
+    self.placement_problem = placement.describe(dict(sorted(shared.items())))
+    if self.placement_problem and topo.is_primary_process:
+      self._events.record("placement", hosts=len(shared), error=self.placement_problem)
 
   def restorable_steps(self, name: str) -> list[int]:
     """Restorable steps by markers, oldest first (the same on every process)."""
-    invs = self.exchange(name)
-    return sorted(c.step for c in restore_plan.candidates(invs, self._topology.slice_processes))
+    return sorted(c.step for c in restore_plan.candidates(self.exchange(name)))
 
   def metadata(self, step: int) -> StepMetadata:
-    """See CheckpointManager.metadata. Called by: every process (one exchange)."""
+    """See CheckpointManager.metadata. Called by: every process (one gather_tree)."""
     topo = self._topology
     mine: dict = {"local": self._local.step_bytes(step)}
     if topo.is_primary_process:
@@ -104,13 +116,23 @@ class Inventory:
         "committed": self._state.is_committed(step),
         "record": self._state.record(step),
       }
-    got = self._collectives.exchange(f"metadata_{step}", mine)
-    primary = got[topo.primary_process]["primary"]
-    local_slices = tuple(
-      s
-      for s, procs in enumerate(topo.slice_processes)
-      if all(got[p]["local"] is not None for p in procs)
+    got = self._collectives.gather_tree(
+      f"metadata_{step}",
+      mine,
+      per_slice=lambda s, values: {
+        "complete": len(values) == len(topo.slice_processes[s])
+        and all(v["local"] is not None for v in values.values()),
+        "bytes": sum(v["local"] or 0 for v in values.values()),
+        "primary": next((v["primary"] for v in values.values() if "primary" in v), None),
+      },
+      combine=lambda sums: {
+        "local_slices": [s for s, v in sorted(sums.items()) if v["complete"]],
+        "bytes": sum(v["bytes"] for v in sums.values()),
+        "primary": next(v["primary"] for v in sums.values() if v["primary"] is not None),
+      },
     )
+    primary = got["primary"]
+    local_slices = tuple(got["local_slices"])
     record = primary["record"] or {}
     info = record.get("info") or {}
     persistent = primary["persistent_bytes"] is not None
@@ -122,9 +144,23 @@ class Inventory:
       local_slices=local_slices,
       persistent=persistent,
       state_committed=primary["committed"],
-      local_bytes=sum(v["local"] or 0 for v in got.values()),
+      local_bytes=got["bytes"],
       persistent_bytes=primary["persistent_bytes"],
       topology=info.get("topology"),
       saved_at=info.get("saved_at", record.get("committed_at")),
       metrics=record.get("metrics") or {},
     )
+
+
+def gather(collectives, inv: restore_plan.Inventory, name: str) -> restore_plan.JobInventory:
+  """Every process's `inv`, summarised per slice and then for the job (see
+  restore_plan.slice_summary, job_summary). Called by: every process; what
+  the scale benchmark measures."""
+  slices = collectives.topology.slice_processes
+  got = collectives.gather_tree(
+    name,
+    inv.to_json(),
+    per_slice=lambda s, values: restore_plan.slice_summary(s, values, len(slices[s])),
+    combine=lambda sums: restore_plan.job_summary(sums, len(slices)),
+  )
+  return restore_plan.JobInventory.from_json(got)

@@ -165,10 +165,11 @@ class CheckpointManager:
   @property
   def placement_problem(self) -> str | None:
     """None if no machine runs processes of two slices (or before the first
-    restore() / all_steps(), whose exchange carries each process's host id);
-    else what is shared and how to fix it (also logged as a warning by the
-    primary process, and recorded in the event log). The same on every
-    process."""
+        restore() / all_steps() / latest_step(), after which the processes of each
+    machine compare their slices once);
+        else what is shared and how to fix it (also logged as a warning by the
+        primary process, and recorded in the event log). The same on every
+        process."""
     return self._inventory.placement_problem
 
   @property
@@ -243,9 +244,8 @@ class CheckpointManager:
     # Orbax's barrier gave up (after collective_timeout_s) without naming
     # who is missing, one short exchange over the primary slice names them.
     self._persistent.wait_until_finished(
-      probe=lambda: self._collectives.exchange(
+      probe=lambda: self._collectives.barrier(
         "persistent_barrier_probe",
-        None,
         processes=self._topology.slice_processes[0],
         timeout_s=min(10.0, self._options.collective_timeout_s),
       )
@@ -325,8 +325,7 @@ class CheckpointManager:
   def _from_primary(self, name: str, fn) -> Any:
     """fn() run by the primary process, its JSON result given to all."""
     value = fn() if self._topology.is_primary_process else None
-    got = self._collectives.exchange(name, value)
-    return got[self._topology.primary_process]
+    return self._collectives.broadcast(name, value, source=self._topology.primary_process)
 
   def metadata(self, step: int) -> StepMetadata:
     """Which tiers hold `step`, its size, the topology it was saved with, its

@@ -1,7 +1,8 @@
 """Pure restore planning: inventories and load statuses in, a plan out.
 
-No JAX, no I/O: every process computes the same plan from the same exchanged
-inventories, so agreement needs no further collective.
+No JAX, no I/O: every process computes the same plan from the same job
+summary of the inventories (slice_summary per slice, job_summary of those,
+through Collectives.gather_tree), so agreement needs no further collective.
 
 A step is restorable iff its state-store marker is committed AND (every
 process of at least one slice holds it in the local tier OR the persistent
@@ -28,8 +29,6 @@ class Inventory:
   local_rejected: Mapping[int, str] = dataclasses.field(default_factory=dict)
   persistent_steps: tuple[int, ...] | None = None
   state_steps: tuple[int, ...] | None = None
-  host: str | None = None
-  """The machine the process runs on (topology.host_identity)."""
 
   def to_json(self) -> dict[str, Any]:
     return {
@@ -39,7 +38,6 @@ class Inventory:
       "local_rejected": {str(k): v for k, v in self.local_rejected.items()},
       "persistent_steps": None if self.persistent_steps is None else list(self.persistent_steps),
       "state_steps": None if self.state_steps is None else list(self.state_steps),
-      "host": self.host,
     }
 
   @classmethod
@@ -52,7 +50,6 @@ class Inventory:
       local_rejected={int(k): v for k, v in d.get("local_rejected", {}).items()},
       persistent_steps=opt(d.get("persistent_steps")),
       state_steps=opt(d.get("state_steps")),
-      host=d.get("host"),
     )
 
 
@@ -74,6 +71,11 @@ class Status:
   error: str | None = None
   mismatch: str | None = None  # a user error (tree/shape/dtype): raise, never skip
 
+  @property
+  def is_ok(self) -> bool:
+    """Everything asked was read: what a process need not report."""
+    return self.state_ok and self.local_ok is not False and not self.error and not self.mismatch
+
   def to_json(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
 
@@ -91,50 +93,139 @@ class RestorePlan:
   """The slice that sends to the PEER slices (None when no slice needs it)."""
 
 
-def _shared(invs: Sequence[Inventory], field: str) -> tuple[int, ...]:
+REJECTED_SHOWN = 16
+"""Rejected local copies named in a summary (the rest are counted)."""
+
+
+def slice_summary(slice_index: int, values: Mapping[int, Mapping], expected: int) -> dict:
+  """One slice's inventories ({process: Inventory JSON}) in one JSON value:
+  the steps every one of its `expected` processes holds locally, how many
+  hold each other step, a few rejected copies, and the shared tiers if the
+  primary is among them. What the slice's first process publishes."""
+  invs = [Inventory.from_json(v) for _, v in sorted(values.items())]
+  held: set[int] | None = None
+  some: dict[int, int] = {}
   for inv in invs:
-    value = getattr(inv, field)
-    if value is not None:
-      return value
-  return ()
-
-
-def slice_steps(
-  invs: Sequence[Inventory], slice_processes: Sequence[Sequence[int]]
-) -> list[set[int]]:
-  """Per slice, the steps every one of its processes holds locally (one
-  pass over the inventories: linear in processes)."""
-  local = {inv.process: inv.local_steps for inv in invs}
-  out = []
-  for procs in slice_processes:
-    held: set[int] | None = None
-    for p in procs:
-      steps = local.get(p, ())
-      held = set(steps) if held is None else held.intersection(steps)
-      if not held:
-        break
-    out.append(held or set())
+    held = set(inv.local_steps) if held is None else held.intersection(inv.local_steps)
+    for step in inv.local_steps:
+      some[step] = some.get(step, 0) + 1
+  if len(invs) < expected:
+    held = set()
+  held = held or set()
+  rejected = [
+    f"process {inv.process} ignored local step {step}: {why}"
+    for inv in invs
+    for step, why in sorted(inv.local_rejected.items())
+  ]
+  out: dict[str, Any] = {
+    "slice": slice_index,
+    "held": sorted(held),
+    "some": {str(step): n for step, n in sorted(some.items()) if step not in held},
+    "rejected": rejected[:REJECTED_SHOWN],
+    "rejected_count": len(rejected),
+  }
+  for inv in invs:
+    if inv.persistent_steps is not None or inv.state_steps is not None:
+      out["persistent_steps"] = list(inv.persistent_steps or ())
+      out["state_steps"] = list(inv.state_steps or ())
   return out
 
 
-def complete_slices(
-  step: int, invs: Sequence[Inventory], slice_processes: Sequence[Sequence[int]]
-) -> tuple[int, ...]:
+def job_summary(summaries: Mapping[int, Mapping], num_slices: int) -> dict:
+  """The S slice summaries in one JSON value, the same for every process:
+  per step, the slices that hold it whole (as ranges); the shared tiers;
+  the first few partial holdings and rejected copies, for messages. What
+  the primary publishes."""
+  held: dict[int, list[int]] = {}
+  partial: list[str] = []
+  rejected: list[str] = []
+  rejected_count = 0
+  shared = {"persistent_steps": [], "state_steps": []}
+  for s in range(num_slices):
+    summ = summaries.get(s) or {}
+    for step in summ.get("held", ()):
+      held.setdefault(step, []).append(s)
+    for step, n in summ.get("some", {}).items():
+      if len(partial) < REJECTED_SHOWN:
+        partial.append(f"slice {s}: step {step} on {n} of its processes")
+    rejected += summ.get("rejected", [])[: REJECTED_SHOWN - len(rejected)]
+    rejected_count += summ.get("rejected_count", 0)
+    if "state_steps" in summ:
+      shared = {k: summ[k] for k in shared}
+  return {
+    "slices": num_slices,
+    "held": {str(step): _ranges(sl) for step, sl in sorted(held.items())},
+    "partial": partial,
+    "rejected": rejected,
+    "rejected_count": rejected_count,
+    **shared,
+  }
+
+
+def _ranges(values: Sequence[int]) -> list[list[int]]:
+  """Sorted ints as [first, last] runs: [0, 1, 2, 5] -> [[0, 2], [5, 5]]."""
+  out: list[list[int]] = []
+  for v in values:
+    if out and out[-1][1] == v - 1:
+      out[-1][1] = v
+    else:
+      out.append([v, v])
+  return out
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class JobInventory:
+  """Every process's inventory, summarised (job_summary): what restore
+  planning needs, the same on every process, O(steps x slices) at most."""
+
+  num_slices: int
+  held: Mapping[int, tuple[int, ...]]
+  """{step: slices every process of which holds it locally}."""
+  persistent_steps: tuple[int, ...] = ()
+  state_steps: tuple[int, ...] = ()
+  partial: tuple[str, ...] = ()
+  rejected: tuple[str, ...] = ()
+  rejected_count: int = 0
+
+  @classmethod
+  def from_json(cls, d: Mapping[str, Any]) -> JobInventory:
+    return cls(
+      num_slices=d["slices"],
+      held={
+        int(step): tuple(s for a, b in runs for s in range(a, b + 1))
+        for step, runs in d["held"].items()
+      },
+      persistent_steps=tuple(d.get("persistent_steps", ())),
+      state_steps=tuple(d.get("state_steps", ())),
+      partial=tuple(d.get("partial", ())),
+      rejected=tuple(d.get("rejected", ())),
+      rejected_count=d.get("rejected_count", 0),
+    )
+
+
+def summarize(invs: Sequence[Inventory], slice_processes: Sequence[Sequence[int]]) -> JobInventory:
+  """What gather_tree computes from these inventories, in one place (pure)."""
+  by_process = {inv.process: inv.to_json() for inv in invs}
+  summaries = {
+    s: slice_summary(s, {p: by_process[p] for p in procs if p in by_process}, len(procs))
+    for s, procs in enumerate(slice_processes)
+  }
+  return JobInventory.from_json(job_summary(summaries, len(slice_processes)))
+
+
+def complete_slices(step: int, job: JobInventory) -> tuple[int, ...]:
   """Slices every process of which holds `step` locally."""
-  return tuple(s for s, held in enumerate(slice_steps(invs, slice_processes)) if step in held)
+  return job.held.get(step, ())
 
 
-def candidates(
-  invs: Sequence[Inventory], slice_processes: Sequence[Sequence[int]], *, step: int | None = None
-) -> list[Candidate]:
+def candidates(job: JobInventory, *, step: int | None = None) -> list[Candidate]:
   """Restorable steps by markers, newest first (only `step` if given)."""
-  persistent = set(_shared(invs, "persistent_steps"))
-  held = slice_steps(invs, slice_processes)
+  persistent = set(job.persistent_steps)
   out = []
-  for s in sorted(set(_shared(invs, "state_steps")), reverse=True):
+  for s in sorted(set(job.state_steps), reverse=True):
     if step is not None and s != step:
       continue
-    local = tuple(i for i, steps in enumerate(held) if s in steps)
+    local = job.held.get(s, ())
     if local or s in persistent:
       out.append(Candidate(s, local, s in persistent))
   return out
@@ -143,11 +234,14 @@ def candidates(
 def decide(
   cand: Candidate, statuses: Mapping[int, Status], slice_processes: Sequence[Sequence[int]]
 ) -> RestorePlan | None:
-  """The plan for `cand` given every process's load status, or None when the
-  step turned out not restorable (a JSON or every copy failed verification)."""
+  """The plan for `cand` given the processes' load statuses, or None when
+  the step turned out not restorable (a JSON or every copy failed
+  verification). `statuses` may hold only the processes that failed
+  something (Status.is_ok ones may be left out: gather_sparse)."""
   if not all(st.state_ok for st in statuses.values()):
     return None
-  good = [s for s in cand.local_slices if all(statuses[p].local_ok for p in slice_processes[s])]
+  failed = {p for p, st in statuses.items() if st.local_ok is False}
+  good = [s for s in cand.local_slices if failed.isdisjoint(slice_processes[s])]
   if good:
     sources = tuple(LOCAL if s in good else PEER for s in range(len(slice_processes)))
     return RestorePlan(cand.step, sources, good[0] if PEER in sources else None)
@@ -156,18 +250,20 @@ def decide(
   return None
 
 
-def describe_absence(invs: Sequence[Inventory], slice_processes: Sequence[Sequence[int]]) -> str:
+def describe_absence(job: JobInventory) -> str:
   """Why nothing is restorable, for the error message."""
-  state = sorted(_shared(invs, "state_steps"))
-  persistent = sorted(_shared(invs, "persistent_steps"))
   lines = [
-    f"state steps with a COMMIT marker: {state or 'none'}",
-    f"persistent tensor steps: {persistent or 'none'}",
+    f"state steps with a COMMIT marker: {sorted(job.state_steps) or 'none'}",
+    f"persistent tensor steps: {sorted(job.persistent_steps) or 'none'}",
+    "local steps held by every process of a slice: "
+    + (
+      ", ".join(f"step {step} on slices {list(sl)}" for step, sl in sorted(job.held.items()))
+      or "none"
+    ),
   ]
-  for s, procs in enumerate(slice_processes):
-    per = {inv.process: sorted(inv.local_steps) for inv in invs if inv.process in procs}
-    lines.append(f"slice {s} local steps per process: {per}")
-  for inv in invs:
-    for step, why in sorted(inv.local_rejected.items()):
-      lines.append(f"process {inv.process} ignored local step {step}: {why}")
+  if job.partial:
+    lines.append("held by only some processes: " + ", ".join(job.partial))
+  lines += list(job.rejected)
+  if job.rejected_count > len(job.rejected):
+    lines.append(f"and {job.rejected_count - len(job.rejected)} more rejected local copies")
   return "; ".join(lines)

@@ -3,7 +3,8 @@
 For each candidate step (newest first, from the inventory exchange):
 1. every process reads what it can: its own local copy (mapped, verified)
    and its own JSON state;
-2. one status exchange; the pure plan (restore_plan.decide) says where each
+2. one status exchange (only failures are sent); the pure plan
+   (restore_plan.decide) says where each
    slice gets the step: its own copy, a peer slice, or the persistent tier;
 3. execute: nothing more if every slice is intact, a peer transfer to the
    slices that lost it (on failure, every process alike falls back to the
@@ -20,7 +21,6 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -83,21 +83,21 @@ class Restorer:
   def restore(
     self,
     abstract_state: Any,
-    invs: Sequence[restore_plan.Inventory],
+    job: restore_plan.JobInventory,
     step: int | None,
     started: float,
   ) -> Outcome:
-    """The newest restorable step (or `step`) of `invs` onto abstract_state's
+    """The newest restorable step (or `step`) of `job` onto abstract_state's
     shardings. Raises NoRestorableCheckpointError / StepNotRestorableError
     naming what was found, StateMismatchError if abstract_state does not fit.
     Either way (unless mismatched) it records a restore event (`started`:
     time.monotonic() when restore() began) and prepares the next save's
     staging buffer in the background, while the trainer goes on."""
     paths, abstract, treedef = shards_lib.leaf_paths(abstract_state)
-    out, tried = self._restore(abstract_state, paths, abstract, treedef, invs, step)
+    out, tried = self._restore(abstract_state, paths, abstract, treedef, job, step)
     self._staging.prepare(paths, abstract)
     if out is None:
-      error = self._absence(invs, step, tried)
+      error = self._absence(job, step, tried)
       self._record(started, None, None, 0, tried, str(error))
       raise error
     nbytes = int(sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in abstract))
@@ -116,17 +116,19 @@ class Restorer:
     )
 
   def _restore(
-    self, abstract_state, paths, abstract, treedef, invs, step
+    self, abstract_state, paths, abstract, treedef, job, step
   ) -> tuple[Outcome | None, list[str]]:
     """(the restored step or None, why candidates were rejected)."""
     topo = self._topology
-    cands = restore_plan.candidates(invs, topo.slice_processes, step=step)
+    cands = restore_plan.candidates(job, step=step)
     peer_problem = peer.check_peer_compatible(paths, abstract, self._mesh, topo.replica_axis_name)
     tried: list[str] = []
     for cand in cands:
       status, local, data_state = self._try_load(cand, paths, abstract)
-      got = self._collectives.exchange(f"restore_status_{cand.step}", status.to_json())
-      statuses = {p: restore_plan.Status.from_json(v) for p, v in got.items()}
+      got = self._collectives.gather_sparse(
+        f"restore_status_{cand.step}", None if status.is_ok else status.to_json()
+      )
+      statuses = {p: restore_plan.Status.from_json(v) for p, v in got.items()}  # failures
       mismatch = next((s.mismatch for s in statuses.values() if s.mismatch), None)
       if mismatch:
         raise StateMismatchError(mismatch)
@@ -162,13 +164,13 @@ class Restorer:
       return Outcome(plan.step, state, data_state, source), tried
     return None, tried
 
-  def _absence(self, invs, step: int | None, tried: list[str]) -> EmergencyCheckpointError:
+  def _absence(self, job, step: int | None, tried: list[str]) -> EmergencyCheckpointError:
     """The error for 'nothing restorable', naming what was found."""
     dirs = (
       f"local {self._local.directory} (per process), persistent"
       f" {self._options.persistent.directory}"
     )
-    detail = restore_plan.describe_absence(invs, self._topology.slice_processes)
+    detail = restore_plan.describe_absence(job)
     if tried:
       detail += "; rejected after verification: " + "; ".join(tried)
     if step is not None:

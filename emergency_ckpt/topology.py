@@ -9,6 +9,7 @@ that never arrived. Tests replace `Collectives` to exercise pure logic.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import itertools
 import json
@@ -16,7 +17,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -57,6 +58,11 @@ class Topology:
   @property
   def is_primary_process(self) -> bool:
     return self.process_index == self.primary_process
+
+  @functools.cached_property
+  def slice_of(self) -> dict[int, int]:
+    """{process: its slice} (built once, on first use)."""
+    return {p: s for s, procs in enumerate(self.slice_processes) for p in procs}
 
   def fingerprint(self) -> dict[str, Any]:
     """What a local-tier step must match to be read back by this job."""
@@ -145,6 +151,21 @@ class Collectives:
 
   Every method is called by every process in `processes` (default: all), in
   the same order. Single-process jobs need no coordination service.
+
+  What each costs one process, in calls to the coordination service (N
+  processes, S slices), and what it receives:
+  - exchange: 3 calls; every process's value (N values: for small groups);
+  - gather_tree: 4 calls (a slice's first process 6, the primary 7); one
+    job-wide summary (each slice's first process reads its slice's values,
+    the primary reads S slice summaries);
+  - gather_sparse: 3 calls (2 with nothing to say); only the values that
+    were not None (e.g. errors);
+  - exchange_some: 1 call + 1 per process wanted; those processes' values;
+  - group_by: 3 calls; the values of the processes with the same label;
+  - broadcast: 1 call; one value;
+  - barrier: 2 calls; nothing.
+  Keys of finished exchanges are deleted by the primary process after the
+  next job-wide barrier (every process has read them by then): one call.
   """
 
   def __init__(self, topology: Topology, *, namespace: str, timeout_s: float, client: Any = None):
@@ -154,6 +175,8 @@ class Collectives:
     self._namespace = namespace
     self._timeout_s = timeout_s
     self._client = client
+    self._finished: list[str] = []
+    """Key folders of exchanges this process finished (see _passed_all)."""
     if client is None and topology.process_count > 1:
       client = jax._src.distributed.global_state.client  # noqa: SLF001
       if client is None:
@@ -185,36 +208,66 @@ class Collectives:
     Raises CollectiveTimeoutError naming the processes that did not arrive.
     """
     me = self._topology.process_index
-    every = list(range(self._topology.process_count))
-    procs = every if processes is None else sorted(processes)
-    if me not in procs:
-      raise ValueError(f"process {me} is not among {procs} for exchange {name!r}")
+    procs = self._group(name, processes)
     encoded = json.dumps(payload, sort_keys=True)
     if self._client is None or len(procs) == 1:
       return {me: json.loads(encoded)}
     key = _next_key(self._namespace, name, self._client)
     self._client.key_value_set(f"{key}/{me}", encoded)
+    self._wait(name, key, f"{key}/all", procs, f"{key}/", timeout_s)
+    got = self._values(f"{key}/")
+    return {p: json.loads(got[p]) for p in procs}
+
+  def _wait(
+    self,
+    name: str,
+    key: str,
+    barrier_id: str,
+    procs: Sequence[int],
+    arrivals: str,
+    timeout_s: float | None,
+  ) -> None:
+    """Waits at barrier `barrier_id` of `procs`; on timeout raises the error
+    naming those of `procs` that set no key under `arrivals`."""
     timeout_s = self._timeout_s if timeout_s is None else timeout_s
+    every = len(procs) == self._topology.process_count
     try:
       self._client.wait_at_barrier(
-        f"{key}/all", max(1, int(timeout_s * 1000)), None if procs == every else procs
+        barrier_id, max(1, int(timeout_s * 1000)), None if every else list(procs)
       )
     except Exception:  # noqa: BLE001 - the client raises a generic error on timeout
-      got = self._values(key)
+      got = self._values(arrivals)
       missing = [p for p in procs if p not in got]
       raise CollectiveTimeoutError(
         f"{self._topology.log_prefix()} exchange {name!r} timed out after"
-        f" {timeout_s:.0f}s waiting for processes {missing} (of {procs});"
-        " they may be hung, stopped or dead. Check their logs, then restart"
-        " the job; raise collective_timeout_s if they are only slow."
+        f" {timeout_s:.0f}s waiting for processes {_span(missing)} (of"
+        f" {_span(procs)}); they may be hung, stopped or dead. Check their"
+        " logs, then restart the job; raise collective_timeout_s if they are"
+        " only slow."
       ) from None
-    got = self._values(key)
-    return {p: json.loads(got[p]) for p in procs}
+    if every:
+      self._passed_all(key)
+    elif key not in self._finished:
+      self._finished.append(key)  # deleted after the next job-wide barrier
 
-  def _values(self, key: str) -> dict[int, str]:
-    """{process: its raw value} of exchange `key`, in one directory get."""
+  def _passed_all(self, key: str) -> None:
+    """Every process passed a job-wide barrier of exchange `key`, so every
+    process finished reading the exchanges before it: the primary deletes
+    their keys (one call per finished exchange; a failure is only logged)."""
+    done = [k for k in self._finished if k != key]
+    self._finished = [key]
+    if self._topology.process_index != self._topology.primary_process:
+      return
+    for old in done:
+      try:
+        self._client.key_value_delete(old)
+      except Exception as e:  # noqa: BLE001 - leftover keys cost memory, not correctness
+        logger.debug("%s keys %r not deleted: %s", self._topology.log_prefix(), old, e)
+
+  def _values(self, folder: str) -> dict[int, str]:
+    """{process: its raw value} under `folder` ("<key>/"), in one directory get."""
     out = {}
-    for k, v in self._client.key_value_dir_get(f"{key}/"):
+    for k, v in self._client.key_value_dir_get(folder):
       tail = k.rsplit("/", 1)[-1]
       if tail.isdigit():
         out[int(tail)] = v
@@ -223,8 +276,143 @@ class Collectives:
   def barrier(
     self, name: str, *, processes: Sequence[int] | None = None, timeout_s: float | None = None
   ) -> None:
-    """Blocks until every process in `processes` arrives (an empty exchange)."""
-    self.exchange(name, None, processes=processes, timeout_s=timeout_s)
+    """Blocks until every process in `processes` (default: all) arrives. Two
+    calls per process. Called by: every process in `processes`."""
+    procs = self._group(name, processes)
+    if self._client is None or len(procs) == 1:
+      return
+    key = _next_key(self._namespace, name, self._client)
+    self._client.key_value_set(f"{key}/a/{self._topology.process_index}", "")
+    self._wait(name, key, f"{key}/all", procs, f"{key}/a/", timeout_s)
+
+  def _group(self, name: str, processes: Sequence[int] | None) -> list[int]:
+    me = self._topology.process_index
+    procs = list(range(self._topology.process_count)) if processes is None else sorted(processes)
+    if me not in procs:
+      raise ValueError(f"process {me} is not among processes {_span(procs)} for exchange {name!r}")
+    return procs
+
+  def gather_sparse(self, name: str, payload: Any, *, timeout_s: float | None = None) -> dict:
+    """{process: payload} of the processes whose payload is not None (e.g.
+    errors: normally none), the same on every process. Blocks until every
+    process arrives. Called by: every process."""
+    me = self._topology.process_index
+    if self._client is None or self._topology.process_count == 1:
+      return {} if payload is None else {me: json.loads(json.dumps(payload))}
+    key = _next_key(self._namespace, name, self._client)
+    if payload is not None:
+      self._client.key_value_set(f"{key}/v/{me}", json.dumps(payload, sort_keys=True))
+    self._client.key_value_set(f"{key}/a/{me}", "")
+    self._wait(name, key, f"{key}/all", range(self._topology.process_count), f"{key}/a/", timeout_s)
+    return {p: json.loads(v) for p, v in sorted(self._values(f"{key}/v/").items())}
+
+  def gather_tree(
+    self,
+    name: str,
+    payload: Any,
+    *,
+    per_slice: Callable[[int, dict[int, Any]], Any],
+    combine: Callable[[dict[int, Any]], Any],
+    timeout_s: float | None = None,
+  ) -> Any:
+    """A job-wide summary of one JSON value per process, in two levels: each
+    slice's first process reads its slice's values and publishes
+    `per_slice(slice, {process: value})`; the primary reads the S slice
+    summaries and publishes `combine({slice: summary})`, which every process
+    returns. Nobody receives every process's value (what made exchanges
+    O(N^2) bytes on the service). Blocks until every process arrives, up to
+    twice `timeout_s`. Called by: every process."""
+    topo = self._topology
+    me, s = topo.process_index, topo.slice_index
+    encoded = json.dumps(payload, sort_keys=True)
+    if self._client is None or topo.process_count == 1:
+      return combine({s: per_slice(s, {me: json.loads(encoded)})})
+    key = _next_key(self._namespace, name, self._client)
+    procs = topo.slice_processes[s]
+    self._client.key_value_set(f"{key}/s/{s}/{me}", encoded)
+    if len(procs) > 1:
+      self._wait(name, key, f"{key}/slice/{s}", procs, f"{key}/s/{s}/", timeout_s)
+    if me == procs[0]:
+      values = {p: json.loads(v) for p, v in self._values(f"{key}/s/{s}/").items()}
+      self._client.key_value_set(f"{key}/sum/{s}", json.dumps(per_slice(s, values)))
+    every = range(topo.process_count)
+    self._wait(name, key, f"{key}/all", every, f"{key}/s/", timeout_s)
+    if topo.is_primary_process:
+      summaries = {
+        int(k.rsplit("/", 1)[-1]): json.loads(v)
+        for k, v in self._client.key_value_dir_get(f"{key}/sum/")
+      }
+      encoded = json.dumps(combine(summaries))
+      self._client.key_value_set(f"{key}/job", encoded)
+    else:
+      encoded = self._get(name, f"{key}/job", topo.primary_process, timeout_s)
+    return json.loads(encoded)
+
+  def _get(self, name: str, key: str, source: int, timeout_s: float | None) -> str:
+    """The value of `key`, set (or to be set) by process `source`."""
+    timeout_s = self._timeout_s if timeout_s is None else timeout_s
+    try:
+      return self._client.blocking_key_value_get(key, max(1, int(timeout_s * 1000)))
+    except Exception:  # noqa: BLE001 - the client raises a generic error on timeout
+      raise CollectiveTimeoutError(
+        f"{self._topology.log_prefix()} exchange {name!r} timed out after"
+        f" {timeout_s:.0f}s waiting for process {source}; it may be hung,"
+        " stopped or dead. Check its log, then restart the job; raise"
+        " collective_timeout_s if it is only slow."
+      ) from None
+
+  def group_by(
+    self, name: str, label: str, value: Any, *, timeout_s: float | None = None
+  ) -> dict[int, Any]:
+    """{process: value} of the processes that passed the same `label` (e.g.
+    the machine they run on), this one included. Three calls per process;
+    each receives only its own group. Called by: every process."""
+    me = self._topology.process_index
+    encoded = json.dumps(value, sort_keys=True)
+    if self._client is None or self._topology.process_count == 1:
+      return {me: json.loads(encoded)}
+    key = _next_key(self._namespace, name, self._client)
+    group = hashlib.sha256(label.encode()).hexdigest()[:32]
+    self._client.key_value_set(f"{key}/{group}/{me}", encoded)
+    self._wait(name, key, f"{key}/all", range(self._topology.process_count), f"{key}/", timeout_s)
+    return {p: json.loads(v) for p, v in sorted(self._values(f"{key}/{group}/").items())}
+
+  def broadcast(self, name: str, value: Any, *, source: int, timeout_s: float | None = None) -> Any:
+    """`value` of process `source` (others pass None), given to every process.
+    One call per process. Called by: every process."""
+    me = self._topology.process_index
+    encoded = json.dumps(value, sort_keys=True)
+    if self._client is None or self._topology.process_count == 1:
+      return json.loads(encoded)
+    key = _next_key(self._namespace, name, self._client)
+    self._finished.append(key)
+    if me == source:
+      self._client.key_value_set(f"{key}/v", encoded)
+      return json.loads(encoded)
+    return json.loads(self._get(name, f"{key}/v", source, timeout_s))
+
+  def exchange_some(
+    self, name: str, payload: Any, *, wanted: Sequence[int], timeout_s: float | None = None
+  ) -> dict[int, Any]:
+    """{process: value} of the `wanted` processes (each must publish one: a
+    payload that is not None); this process publishes `payload` unless None.
+    One call, plus one per wanted process, against one deadline; raises
+    CollectiveTimeoutError naming the first that never published. Called
+    by: every process (the same name, in the same order; `wanted` differs)."""
+    me = self._topology.process_index
+    if self._client is None or self._topology.process_count == 1:
+      return {me: json.loads(json.dumps(payload))} if me in wanted else {}
+    key = _next_key(self._namespace, name, self._client)
+    self._finished.append(key)
+    if payload is not None:
+      self._client.key_value_set(f"{key}/{me}", json.dumps(payload, sort_keys=True))
+    timeout_s = self._timeout_s if timeout_s is None else timeout_s
+    deadline = time.monotonic() + timeout_s
+    out = {}
+    for p in sorted(set(wanted)):
+      left = max(0.001, deadline - time.monotonic())
+      out[p] = json.loads(self._get(name, f"{key}/{p}", p, left))
+    return out
 
   def _signal_key(self, name: str) -> str:
     return f"emergency_ckpt/{self._namespace}/signal/{name}"
@@ -304,6 +492,15 @@ class Collectives:
         if time.monotonic() - t0 < wait_s / 2:  # failed at once: do not spin
           stop.wait(wait_s)
     return False
+
+
+def _span(procs: Sequence[int]) -> str:
+  """A process list for a message, short even at thousands of processes:
+  "[3, 7]", "0-4095" or the first 64 "and N more"."""
+  procs = list(procs)
+  if len(procs) > 2 and procs == list(range(procs[0], procs[-1] + 1)):
+    return f"{procs[0]}-{procs[-1]}"
+  return f"{procs[:64]}" + (f" and {len(procs) - 64} more" if len(procs) > 64 else "")
 
 
 def init_orbax_multihost() -> None:

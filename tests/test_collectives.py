@@ -89,3 +89,87 @@ def test_the_commit_counter_reaches_its_target(job):
   _all(cols, lambda c: c.count("written_7"))
   assert primary.wait_count("written_7", 6, timeout_s=5)
   assert sum(counted[3].calls.values()) == 1  # one call per process per step
+
+
+def _calls(counted) -> list[int]:
+  out = [sum(c.calls.values()) for c in counted]
+  for c in counted:
+    c.reset()
+  return out
+
+
+def test_gather_tree_gives_everyone_one_summary_and_nobody_every_value(job):
+  cols, counted = job
+
+  def per_slice(s, values):
+    return {"slice": s, "sum": sum(v["p"] for v in values.values()), "n": len(values)}
+
+  def run(c):
+    me = c.topology.process_index
+    return c.gather_tree(
+      "inv",
+      {"p": me, "pad": "x" * 1000},
+      per_slice=per_slice,
+      combine=lambda sums: sorted((s, v["sum"], v["n"]) for s, v in sums.items()),
+    )
+
+  got = _all(cols, run)
+  assert got == [[[0, 3, 3], [1, 12, 3]]] * 6
+  # a plain process: set, slice barrier, job barrier, one get; a slice's first
+  # process also reads its slice and sets its summary; the primary combines.
+  assert _calls(counted) == [7, 4, 4, 6, 4, 4]
+  for c in counted:
+    assert c.bytes_received < 3000  # at most its own slice's values, never all six
+  # the next job-wide barrier lets the primary delete the finished exchange's keys
+  _all(cols, lambda c: c.barrier("next"))
+  assert _calls(counted) == [3] + [2] * 5
+  left = [k for k, _ in counted[0].key_value_dir_get("emergency_ckpt/t/")]
+  assert left and all("/next/" in k for k in left), left
+
+
+def test_gather_sparse_sends_only_what_is_not_none(job):
+  cols, counted = job
+  got = _all(
+    cols,
+    lambda c: c.gather_sparse("errs", "bad" if c.topology.process_index in (1, 4) else None),
+  )
+  assert got == [{1: "bad", 4: "bad"}] * 6
+  assert _calls(counted) == [3, 4, 3, 3, 4, 3]
+
+
+def test_broadcast_and_exchange_some_read_only_what_they_need(job):
+  cols, counted = job
+  got = _all(
+    cols, lambda c: c.broadcast("b", "hi" if c.topology.process_index == 0 else None, source=0)
+  )
+  assert got == ["hi"] * 6
+  assert _calls(counted) == [1] * 6
+  # processes 3-5 publish, process 0 wants 3 and 5, the rest want nothing
+  got = _all(
+    cols,
+    lambda c: c.exchange_some(
+      "offer",
+      {"from": c.topology.process_index} if c.topology.slice_index == 1 else None,
+      wanted=[3, 5] if c.topology.process_index == 0 else [],
+    ),
+  )
+  assert got[0] == {3: {"from": 3}, 5: {"from": 5}} and got[1:] == [{}] * 5
+  assert _calls(counted) == [2, 0, 0, 1, 1, 1]
+
+
+def test_group_by_returns_only_the_own_group(job):
+  cols, counted = job
+  got = _all(cols, lambda c: c.group_by("host", f"h{c.topology.process_index % 2}", 1))
+  assert got[0] == {0: 1, 2: 1, 4: 1} and got[3] == {1: 1, 3: 1, 5: 1}
+  assert _calls(counted) == [3] * 6
+
+
+def test_gather_tree_timeout_names_the_missing_processes(job):
+  cols, _ = job
+  with pytest.raises(CollectiveTimeoutError, match=r"processes \[5\]"):
+    _all(
+      cols[:5],
+      lambda c: c.gather_tree(
+        "late", 1, per_slice=lambda s, v: len(v), combine=lambda s: s, timeout_s=1
+      ),
+    )

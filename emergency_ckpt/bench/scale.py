@@ -81,7 +81,8 @@ DEFAULT_OLD_MAX_K = 256
 DEFAULT_PLANNER_PROCESSES = (1024, 4096, 16384)
 DEFAULT_PLANNER_SLICES = 64
 DEFAULT_PLANNER_STEPS = 50
-NEW_CALLS = 3  # what Collectives.exchange promises per process, whatever K
+DEFAULT_ALLGATHER_MAX_K = 1024
+TREE_CALLS = (4, 8)  # gather_tree's calls per process (fewest, most), whatever K
 
 _T0 = time.monotonic()
 
@@ -109,7 +110,8 @@ def fit(
 
 
 STAGE_LABELS = {
-  "exchange": "exchange: Collectives.exchange (set + barrier + directory get)",
+  "exchange": "exchange: inventory.gather (Collectives.gather_tree: slice, then job summary)",
+  "exchange_allgather": "exchange, all-gather (Collectives.exchange: every inventory to all)",
   "exchange_old": "exchange, OLD algorithm (set + one blocking get per process)",
   "planner": "planner: restore_plan.candidates + decide (newest candidate)",
 }
@@ -137,6 +139,12 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--reps", type=int, default=DEFAULT_REPS, help="timed exchanges per K")
   p.add_argument(
     "--old-max-k", type=int, default=DEFAULT_OLD_MAX_K, help="largest K for the old algorithm"
+  )
+  p.add_argument(
+    "--allgather-max-k",
+    type=int,
+    default=DEFAULT_ALLGATHER_MAX_K,
+    help="largest K for the all-gather exchange",
   )
   p.add_argument(
     "--planner-processes",
@@ -187,6 +195,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     "ks": args.ks,
     "reps": args.reps,
     "old_max_k": args.old_max_k,
+    "allgather_max_k": args.allgather_max_k,
     "planner_processes": args.planner_processes,
     "planner_slices": args.planner_slices,
     "planner_steps": args.planner_steps,
@@ -202,9 +211,12 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     name: {"label": STAGE_LABELS[name], "points": []} for name in STAGE_LABELS
   }
   stages["exchange_old"]["algorithm"] = "old: set + N blocking gets (re-implemented, not library)"
-  stages["exchange"]["algorithm"] = "new: emergency_ckpt.topology.Collectives.exchange"
+  stages["exchange_allgather"]["algorithm"] = "all-gather: topology.Collectives.exchange"
+  stages["exchange"]["algorithm"] = "tree: inventory.gather (topology.Collectives.gather_tree)"
   for k in args.ks:
-    got = measure_exchange(k, args.reps, k <= args.old_max_k, args.timeout)
+    got = measure_exchange(
+      k, args.reps, k <= args.old_max_k, args.timeout, k <= args.allgather_max_k
+    )
     for name, point in got.items():
       stages[name]["points"].append(point)
     gc.collect()
@@ -226,21 +238,29 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     p["k"]: (p["calls_per_process_min"], p["calls_per_process_max"])
     for p in stages["exchange"]["points"]
   }
-  stages["exchange"]["calls_constant"] = all(c == (NEW_CALLS, NEW_CALLS) for c in calls.values())
+  stages["exchange"]["calls_constant"] = all(
+    lo == TREE_CALLS[0] and hi <= TREE_CALLS[1] for lo, hi in calls.values()
+  )
   biggest = max(stages["planner"]["points"], key=lambda p: p["k"])
   stages["planner"]["target_s"] = PLANNER_TARGET_S
   stages["planner"]["meets_target_at_largest"] = biggest["wall_s"] < PLANNER_TARGET_S
   notes = [
-    "Calls per process per exchange, new algorithm: "
+    "Calls per process per exchange (tree; the fewest are a plain process's, the most"
+    " the primary's): "
     + ", ".join(f"K={p['k']}: {calls_text(p)}" for p in stages["exchange"]["points"]),
-    "Bytes received per process grow linearly with K in both algorithms (every process"
-    " receives every process's inventory): the one service sends K^2 inventories per"
-    f" exchange, {service_bytes_at(stages['exchange']['points'], EXTRAPOLATE_K)} at"
-    f" K = {EXTRAPOLATE_K:,}.",
-    "Wall time here is close to K x CPU/process: the K simulated processes decode their"
-    " K inventories each under one GIL, one after another; in a real job each process"
-    " decodes on its own host, so its latency is nearer the service's time plus its own"
-    " CPU/process.",
+    "Bytes: in the tree, each process receives one job summary (per step, the slices"
+    " that hold it, as ranges), a slice's first process its slice's inventories, the"
+    " primary the slice summaries. In the all-gather every process receives every"
+    " inventory: K^2 on the service"
+    + (
+      f" ({service_bytes_at(stages['exchange_allgather']['points'], EXTRAPOLATE_K)} at"
+      f" K = {EXTRAPOLATE_K:,})."
+      if stages["exchange_allgather"]["points"]
+      else "."
+    ),
+    "Wall time here is the work of all K simulated processes and the service on this"
+    " machine's cores under one GIL; in a real job each process runs on its own host,"
+    " so its latency is nearer the service's time plus its own CPU/process.",
   ]
   if not stages["planner"]["meets_target_at_largest"]:
     notes.append(

@@ -1,12 +1,13 @@
-"""The scale benchmark's exchange stage: the library's own Collectives.exchange
-against a real JAX coordination service with K simulated processes (threads
-of this program, one client each, counted), beside the previous algorithm
-(one blocking get per process) for contrast."""
+"""The scale benchmark's exchange stage: the library's own inventory exchange
+(inventory.gather: a Collectives.gather_tree) against a real JAX coordination
+service with K simulated processes (threads of this program, one client
+each, counted), beside the all-gather exchange (Collectives.exchange: every
+process receives every inventory) and the algorithm before it (one blocking
+get per process), for contrast."""
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import socket
 import statistics
@@ -198,12 +199,10 @@ def _quiet_shutdown(obj: Any) -> None:
 
 def inventory_payload(process: int, slice_index: int) -> dict[str, Any]:
   """What one process sends in a restore's inventory exchange: its newest
-  local steps and host id (the primary also lists the shared tiers)."""
+  local steps (the primary also lists the shared tiers)."""
   newest = 50 * STEP_EVERY
   local = tuple(range(newest - 4 * STEP_EVERY, newest + 1, STEP_EVERY))
   primary = process == 0
-  digest = hashlib.sha256(f"host-{process // 4}".encode()).hexdigest()
-  host = f"boot:{digest[:8]}-{digest[8:12]}-{digest[12:16]}-{digest[16:20]}-{digest[20:32]}"
   rejected = {local[0] - STEP_EVERY: "checksum mismatch in shard 3"} if process % 8 == 7 else {}
   return restore_plan.Inventory(
     process=process,
@@ -214,7 +213,6 @@ def inventory_payload(process: int, slice_index: int) -> dict[str, Any]:
     if primary
     else None,
     state_steps=tuple(range(STEP_EVERY, newest + 1, STEP_EVERY)) if primary else None,
-    host=host,
   ).to_json()
 
 
@@ -291,13 +289,38 @@ def _switch_interval(seconds: float):
     sys.setswitchinterval(saved)
 
 
-def measure_exchange(k: int, reps: int, run_old: bool, timeout_s: float) -> dict[str, Any]:
-  """Both exchange algorithms at K simulated processes, against one service."""
+def measure_exchange(
+  k: int, reps: int, run_old: bool, timeout_s: float, run_allgather: bool = True
+) -> dict[str, Any]:
+  """The library's inventory exchange (a gather_tree), beside the all-gather
+  exchange and the old algorithm, at K simulated processes, against one
+  service."""
   with _switch_interval(SWITCH_INTERVAL_S):
-    return _measure_exchange(k, reps, run_old, timeout_s)
+    return _measure_exchange(k, reps, run_old, timeout_s, run_allgather)
 
 
-def _measure_exchange(k: int, reps: int, run_old: bool, timeout_s: float) -> dict[str, Any]:
+def _rounds(sim: Simulation, fn, reps: int, timeout_s: float, what: str) -> list[dict[str, Any]]:
+  """reps + 1 rounds of fn(i) on every simulated process (the first is the
+  warm-up); fn returns whether its process got the right answer."""
+  rounds = []
+  for rep in range(reps + 1):
+    for c in sim.clients:
+      c.reset()
+    wall, cpu, ok = _run_threads(sim.k, lambda i, rep=rep: fn(i, rep), timeout_s, what)
+    if not all(ok):
+      raise AssertionError(f"K={sim.k}: {what} returned wrong values")
+    rounds.append(_round_stats(sim, wall, cpu))
+    label = "warm-up" if rep == 0 else f"rep {rep}"
+    progress(
+      f"K={sim.k}: {what} {label}: {wall:.3f}s, CPU per process {fmt_secs(rounds[-1]['cpu_s'])}"
+    )
+  return rounds
+
+
+def _measure_exchange(
+  k: int, reps: int, run_old: bool, timeout_s: float, run_allgather: bool
+) -> dict[str, Any]:
+  from emergency_ckpt import inventory  # noqa: PLC0415
   from emergency_ckpt.topology import Collectives  # noqa: PLC0415
 
   sim = Simulation(k, timeout_s)
@@ -308,50 +331,37 @@ def _measure_exchange(k: int, reps: int, run_old: bool, timeout_s: float) -> dic
       Collectives(sim.topology(i), namespace=f"scale-k{k}", timeout_s=timeout_s, client=c)
       for i, c in enumerate(sim.clients)
     ]
-    payloads = [inventory_payload(i, i // len(sim.slice_processes[0])) for i in range(k)]
+    per = len(sim.slice_processes[0])
+    payloads = [inventory_payload(i, i // per) for i in range(k)]
     sizes = [len(json.dumps(p, sort_keys=True)) for p in payloads]
-    checked: list[Any] = []
+    invs = [restore_plan.Inventory.from_json(p) for p in payloads]
+    want = restore_plan.summarize(invs, sim.slice_processes)
 
-    def new(i: int) -> bool:
-      got = colls[i].exchange("inventory", payloads[i])
-      if i == 0:
-        checked.append(got)
-      return len(got) == k and got[k - 1] == payloads[k - 1] and got[i] == payloads[i]
+    def tree(i: int, rep: int) -> bool:
+      return inventory.gather(colls[i], invs[i], "inventory") == want
 
-    rounds = []
-    for rep in range(reps + 1):
-      for c in sim.clients:
-        c.reset()
-      wall, cpu, ok = _run_threads(k, new, timeout_s, f"exchange-k{k}")
-      if not all(ok) or checked[-1] != dict(enumerate(payloads)):
-        raise AssertionError(f"K={k}: an exchange returned wrong values")
-      checked.clear()
-      rounds.append(_round_stats(sim, wall, cpu))
-      label = "warm-up" if rep == 0 else f"rep {rep}"
-      progress(
-        f"K={k}: exchange {label}: {wall:.3f}s, CPU per process {fmt_secs(rounds[-1]['cpu_s'])}"
-      )
-    out["exchange"] = _exchange_point(sim, rounds, sizes)
+    out["exchange"] = _exchange_point(sim, _rounds(sim, tree, reps, timeout_s, "gather"), sizes)
+
+    if run_allgather:
+
+      def allgather(i: int, rep: int) -> bool:
+        got = colls[i].exchange("inventory_all", payloads[i])
+        return len(got) == k and got[k - 1] == payloads[k - 1] and got[i] == payloads[i]
+
+      rounds = _rounds(sim, allgather, reps, timeout_s, "all-gather")
+      out["exchange_allgather"] = _exchange_point(sim, rounds, sizes)
 
     if run_old:
       procs = list(range(k))
-      rounds = []
-      for rep in range(reps + 1):
+
+      def old(i: int, rep: int) -> bool:
         key = f"emergency_ckpt/scale-old-k{k}/inventory/{rep}"
+        got = old_exchange(sim.clients[i], key, i, procs, payloads[i], timeout_s)
+        return len(got) == k and got[k - 1] == payloads[k - 1]
 
-        def old(i: int, key=key) -> bool:
-          got = old_exchange(sim.clients[i], key, i, procs, payloads[i], timeout_s)
-          return len(got) == k and got[k - 1] == payloads[k - 1]
-
-        for c in sim.clients:
-          c.reset()
-        wall, cpu, ok = _run_threads(k, old, timeout_s, f"old-exchange-k{k}")
-        if not all(ok):
-          raise AssertionError(f"K={k}: an old-algorithm exchange returned wrong values")
-        rounds.append(_round_stats(sim, wall, cpu))
-        label = "warm-up" if rep == 0 else f"rep {rep}"
-        progress(f"K={k}: old algorithm {label}: {wall:.3f}s")
-      out["exchange_old"] = _exchange_point(sim, rounds, sizes)
+      out["exchange_old"] = _exchange_point(
+        sim, _rounds(sim, old, reps, timeout_s, "old algorithm"), sizes
+      )
   finally:
     shutdown_s = sim.close()
     progress(f"K={k}: service and clients shut down in {shutdown_s:.2f}s")

@@ -4,7 +4,6 @@ inventories of thousands of processes (time, and memory per process)."""
 from __future__ import annotations
 
 import gc
-import hashlib
 import json
 import statistics
 import time
@@ -45,7 +44,6 @@ def planner_inputs(processes: int, slices: int, steps: int):
       local_steps=local,
       persistent_steps=all_steps[9::10] if p == 0 else None,
       state_steps=all_steps if p == 0 else None,
-      host=f"boot:{hashlib.sha256(str(p // 4).encode()).hexdigest()[:32]}",
     )
     encoded.append(json.dumps(inv.to_json(), sort_keys=True))
   slice_processes = tuple(tuple(range(s * per, (s + 1) * per)) for s in range(slices))
@@ -66,7 +64,7 @@ def _plan(encoded: list[str], slice_processes, statuses):
   t0 = time.perf_counter()
   invs = [restore_plan.Inventory.from_json(json.loads(e)) for e in encoded]
   t1 = time.perf_counter()
-  cands = restore_plan.candidates(invs, slice_processes)
+  cands = restore_plan.candidates(restore_plan.summarize(invs, slice_processes))
   t2 = time.perf_counter()
   plan = restore_plan.decide(cands[0], statuses, slice_processes) if cands else None
   t3 = time.perf_counter()
@@ -75,8 +73,7 @@ def _plan(encoded: list[str], slice_processes, statuses):
 
 def measure_planner(processes: int, slices: int, steps: int, reps: int) -> dict[str, Any]:
   encoded, slice_processes, expected = planner_inputs(processes, slices, steps)
-  ok = restore_plan.Status(local_ok=True, state_ok=True)
-  statuses = dict.fromkeys(range(processes), ok)
+  statuses: dict = {}  # every process read its copy: nothing reported (gather_sparse)
   runs = []
   for _ in range(reps):
     gc.collect()
@@ -100,7 +97,7 @@ def measure_planner(processes: int, slices: int, steps: int, reps: int) -> dict[
     base = tracemalloc.get_traced_memory()[0]
     invs = [restore_plan.Inventory.from_json(json.loads(e)) for e in encoded]
     held = tracemalloc.get_traced_memory()[0] - base
-    cands = restore_plan.candidates(invs, slice_processes)
+    cands = restore_plan.candidates(restore_plan.summarize(invs, slice_processes))
     restore_plan.decide(cands[0], statuses, slice_processes)
     peak = tracemalloc.get_traced_memory()[1] - base
   finally:

@@ -39,6 +39,7 @@ def render_markdown(doc: dict[str, Any]) -> str:
   cfg, stages = doc["config"], doc["stages"]
   new = {p["k"]: p for p in stages["exchange"]["points"]}
   old = {p["k"]: p for p in stages["exchange_old"]["points"]}
+  every = {p["k"]: p for p in stages.get("exchange_allgather", {}).get("points", [])}
   argv = " ".join(["python -m emergency_ckpt.bench.scale", *cfg["argv"]])
   lines = [
     "# Scale benchmark: exchange and restore planner over the process count",
@@ -50,35 +51,35 @@ def render_markdown(doc: dict[str, Any]) -> str:
     "## Exchange: K simulated processes against one real JAX coordination service",
     "",
     "One client and one thread per simulated process, all in one Python program on"
-    f" 127.0.0.1 (GIL switch interval {cfg['switch_interval_s'] * 1000:.0f} ms)."
+    f" 127.0.0.1 (GIL switch interval {cfg['switch_interval_s'] * 1000:.0f} ms),"
+    f" {cfg['processes_per_slice']} processes per slice."
     f" Payload: an inventory JSON of {_payload(stages)} bytes on average. Time: from the"
     f" release of one start event to the last process's return, median of {cfg['reps']}"
     " after one warm-up; it is the work of all K processes and the service on this"
     " machine's cores, so it is pessimistic. CPU/process: the median thread CPU time of"
-    " one process's exchange (decoding K inventories, its gRPC calls; some GIL"
-    " contention left), closer to what each process of a real job spends. Calls and"
-    " bytes received: per process per exchange, counted by a wrapper around each"
-    " client. New = the library's `Collectives.exchange`; old = the previous algorithm"
-    f" (set + one blocking get per process), re-implemented in the benchmark, K <="
-    f" {cfg['old_max_k']} only.",
+    " one process's exchange, closer to what each process of a real job spends. Calls"
+    " and bytes received: per process per exchange, counted by a wrapper around each"
+    " client. Tree = the library's inventory exchange (`inventory.gather`, a"
+    " `Collectives.gather_tree`); all-gather = `Collectives.exchange` (every process"
+    f" receives every inventory; K <= {cfg.get('allgather_max_k', '?')}); old = the"
+    " algorithm before it (set + one blocking get per process), re-implemented in the"
+    f" benchmark, K <= {cfg['old_max_k']} only.",
     "",
-    "| K | new: time | new: CPU/process | new: calls/process | new: received/process"
-    " | new: service sends | new: set / barrier / dir get (median per process, GIL waits"
-    " included) | old: time | old: CPU/process | old: calls/process | connect K clients |",
+    "| K | tree: time | tree: CPU/process | tree: calls/process | tree: received/process"
+    " | tree: service sends | all-gather: time | all-gather: received/process"
+    " | old: time | old: calls/process | connect K clients |",
     "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
   ]
   for k in sorted(new):
-    p, o = new[k], old.get(k)
-    m = p["method_s_median"]
-    split = " / ".join(
-      fmt_secs(m.get(n)) for n in ("key_value_set", "wait_at_barrier", "key_value_dir_get")
-    )
+    p, o, a = new[k], old.get(k), every.get(k)
     lines.append(
       f"| {k:,} | {fmt_secs(p['wall_s'])} | {fmt_secs(p['cpu_s_per_process'])} | {calls_text(p)}"
       f" | {_kib(p['bytes_received_per_process'])}"
-      f" | {p['service_bytes_sent'] / 2**20:,.1f} MiB | {split}"
-      f" | {fmt_secs(o['wall_s']) if o else '-'} | {fmt_secs(o['cpu_s_per_process']) if o else '-'}"
-      f" | {calls_text(o) if o else '-'} | {fmt_secs(p['connect_s'])} |"
+      f" | {p['service_bytes_sent'] / 2**20:,.2f} MiB"
+      f" | {fmt_secs(a['wall_s']) if a else '-'}"
+      f" | {_kib(a['bytes_received_per_process']) if a else '-'}"
+      f" | {fmt_secs(o['wall_s']) if o else '-'} | {calls_text(o) if o else '-'}"
+      f" | {fmt_secs(p['connect_s'])} |"
     )
   pl = stages["planner"]["points"]
   lines += [
@@ -86,8 +87,10 @@ def render_markdown(doc: dict[str, Any]) -> str:
     f"## Restore planner ({pl[0]['slices'] if pl else '?'} slices x"
     f" {pl[0]['steps'] if pl else '?'} committed steps)",
     "",
-    "Every process's inventory parsed from its exchanged JSON (`Inventory.from_json`),"
-    " then `restore_plan.candidates` (all committed steps) and `decide` for the newest"
+    "Every process's inventory parsed from its JSON (`Inventory.from_json`), summarised"
+    " per slice and for the job (`restore_plan.summarize`: what the slices' first"
+    " processes and the primary compute, all in one process here), then"
+    " `restore_plan.candidates` (all committed steps) and `decide` for the newest"
     f" candidate; median of {cfg['planner_reps']}. Target for candidates + decide:"
     f" under {PLANNER_TARGET_S * 1000:.0f} ms. Memory: tracemalloc peak of parse +"
     " candidates + decide above the exchanged JSON.",

@@ -24,13 +24,15 @@ the 256-bit token it published for this transfer through the JAX
 coordination service (the job's own channel). Nothing here unpickles or runs
 anything it receives: requests are JSON, replies are raw bytes.
 
-Agreement: after the bytes, one exchange tells every process whether every
-receiver got everything; if not, every process raises PeerTransferError, so
-all fall back together (the manager then reads the persistent tier, or tries
-an older step).
+Agreement: after the bytes, one exchange (only failures are sent) tells
+every process whether every receiver got everything; if not, every process
+raises PeerTransferError, so all fall back together (the manager then reads
+the persistent tier, or tries an older step).
 
-Called by: every process (two exchanges); blocks until every receiver has
-its shards, or one failed.
+Called by: every process. Coordination: each serving process publishes its
+offer (one call), each receiver reads the offers of its own senders only
+(one call each), then the agreement (three calls at most).
+Blocks until every receiver has its shards, or one failed.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ import numpy as np
 
 from emergency_ckpt import failpoints
 from emergency_ckpt import shards as shards_lib
-from emergency_ckpt.errors import CorruptCheckpointError, PeerTransferError
+from emergency_ckpt.errors import CollectiveTimeoutError, CorruptCheckpointError, PeerTransferError
 from emergency_ckpt.local_format import LocalStep, checksum_ok
 from emergency_ckpt.peer.routing import plan_pulls
 from emergency_ckpt.staging import aligned_empty
@@ -254,18 +256,15 @@ def receive(
   offers: dict[int, dict | None],
   layout: shards_lib.Layout,
   paths: Sequence[str],
+  pulls: dict[int, list],
   *,
   step: int,
-  mesh_devices: np.ndarray,
-  replica_axis_index: int,
-  intact: Sequence[int],
-  rank: int,
   timeout_s: float,
 ) -> np.ndarray:
-  """This receiver's shards of `step`, pulled from every sender at once into
-  one page-aligned buffer laid out as `layout`."""
+  """This receiver's shards of `step` (`pulls`: routing.plan_pulls), pulled
+  from every sender at once into one page-aligned buffer laid out as
+  `layout`."""
   buffer = aligned_empty(layout.nbytes)
-  pulls = plan_pulls(layout, mesh_devices, replica_axis_index, intact, rank)
   if not pulls:
     return buffer
   pool = concurrent.futures.ThreadPoolExecutor(len(pulls), "ec-peer-recv")
@@ -314,24 +313,28 @@ def transfer(
       offer = server.offer()
     except OSError as e:
       offer = {"error": f"cannot listen on {host!r}: {e}"}
-  arrays, error = None, None
+  arrays, error, pulls = None, None, {}
+  if topology.slice_index in lost:
+    receivers = sorted(p for s in lost for p in topology.slice_processes[s])
+    layout = shards_lib.layout_for(paths, abstract)
+    pulls = plan_pulls(
+      layout,
+      np.asarray(mesh.devices),
+      topology.replica_axis_index,
+      list(intact),
+      receivers.index(me),
+    )
   try:
-    offers = collectives.exchange(f"peer_offer_{step}", offer)
-    if topology.slice_index in lost:
-      receivers = sorted(p for s in lost for p in topology.slice_processes[s])
-      layout = shards_lib.layout_for(paths, abstract)
+    # Each receiver reads only the offers of its own senders.
+    try:
+      offers = collectives.exchange_some(
+        f"peer_offer_{step}", offer, wanted=sorted(pulls), timeout_s=timeout_s
+      )
+    except CollectiveTimeoutError as e:
+      offers, error = {}, f"process {me}: no address from its senders ({e})"
+    if topology.slice_index in lost and error is None:
       try:
-        buffer = receive(
-          offers,
-          layout,
-          paths,
-          step=step,
-          mesh_devices=np.asarray(mesh.devices),
-          replica_axis_index=topology.replica_axis_index,
-          intact=list(intact),
-          rank=receivers.index(me),
-          timeout_s=timeout_s,
-        )
+        buffer = receive(offers, layout, paths, pulls, step=step, timeout_s=timeout_s)
         arrays = [
           shards_lib.assemble(a, {s.index: shards_lib.view(buffer, leaf, s) for s in leaf.slots})
           for a, leaf in zip(abstract, layout.leaves)
@@ -339,11 +342,11 @@ def transfer(
       except (OSError, PeerTransferError) as e:  # CorruptCheckpointError is an OSError
         error = f"process {me} ({type(e).__name__}): {e}"
         logger.warning("%s peer transfer of step %d failed: %s", topology.log_prefix(), step, e)
-    outcome = collectives.exchange(f"peer_done_{step}", error)
+    outcome = collectives.gather_sparse(f"peer_done_{step}", error)
   finally:
     if server is not None:
       server.close()
-  failed = [e for _, e in sorted(outcome.items()) if e]
+  failed = [e for _, e in sorted(outcome.items())]
   if failed:
     raise PeerTransferError(
       f"the transfer of step {step} to slices {list(lost)} failed: " + "; ".join(failed)
