@@ -24,7 +24,7 @@ def test_scale_benchmark_tiny(tmp_path):
   out = tmp_path / "scale"
   cmd = [sys.executable, "-m", "emergency_ckpt.bench.scale", "--ks", "4,16", "--reps", "1"]
   cmd += ["--planner-processes", "64,256", "--planner-reps", "1", "--timeout", "60"]
-  cmd += ["--out", str(out)]
+  cmd += ["--real-processes", "none", "--out", str(out)]  # real jobs: test_scale_job.py
   proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
   assert proc.returncode == 0, proc.stderr[-6000:]
   assert "[scale" in proc.stderr  # progress lines

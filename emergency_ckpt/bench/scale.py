@@ -82,6 +82,7 @@ DEFAULT_PLANNER_PROCESSES = (1024, 4096, 16384)
 DEFAULT_PLANNER_SLICES = 64
 DEFAULT_PLANNER_STEPS = 50
 DEFAULT_ALLGATHER_MAX_K = 1024
+DEFAULT_REAL_PROCESSES = (16, 64)
 TREE_CALLS = (4, 8)  # gather_tree's calls per process (fewest, most), whatever K
 
 _T0 = time.monotonic()
@@ -156,6 +157,13 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--planner-steps", type=int, default=DEFAULT_PLANNER_STEPS)
   p.add_argument("--planner-reps", type=int, default=3)
   p.add_argument("--timeout", type=float, default=300.0, help="seconds per exchange round")
+  p.add_argument(
+    "--real-processes",
+    type=lambda t: [] if t.strip() in ("", "0", "none") else _int_list(t),
+    default=list(DEFAULT_REAL_PROCESSES),
+    help="process counts of the real jax.distributed jobs ('none': skip them)",
+  )
+  p.add_argument("--real-mib", type=float, default=64.0, help="bytes the real job holds in all")
   p.add_argument("--out", default="bench_out", help="output directory (default bench_out/)")
   args = p.parse_args(argv)
   args.ks = [k for k in args.ks if k <= args.max_k]
@@ -200,6 +208,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     "planner_slices": args.planner_slices,
     "planner_steps": args.planner_steps,
     "planner_reps": args.planner_reps,
+    "real_processes": args.real_processes,
+    "real_mib": args.real_mib,
     "processes_per_slice": PROCESSES_PER_SLICE,
     "switch_interval_s": SWITCH_INTERVAL_S,
     "cpus": os.cpu_count(),
@@ -230,6 +240,12 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
       f" peak {point['peak_bytes_per_process']:,.0f} B/process, correct={point['correct']}"
     )
     stages["planner"]["points"].append(point)
+  real = None
+  if args.real_processes:
+    from emergency_ckpt.bench.scale_real import measure_real_jobs  # noqa: PLC0415
+
+    progress(f"real jobs: {args.real_processes} processes, {args.real_mib:g} MiB in all")
+    real = measure_real_jobs(args.real_processes, total_mib=args.real_mib)
   for name, stage in stages.items():
     stage["fit"] = fit(stage["points"])
     if name.startswith("exchange"):
@@ -270,6 +286,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
   return {
     "config": config,
     "stages": stages,
+    "real_jobs": real,
     "notes": notes,
     "loadavg_after": _loadavg(),
     "wall_s": time.monotonic() - _T0,

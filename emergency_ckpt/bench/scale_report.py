@@ -108,6 +108,7 @@ def render_markdown(doc: dict[str, Any]) -> str:
       f" | {p['peak_bytes_per_process']:,.0f} B | {r['newest_step']}"
       f" ({r['local_slices']} / {r['peer_slices']}) | {'yes' if p['correct'] else 'NO'} |"
     )
+  lines += _real_jobs(doc.get("real_jobs"))
   lines += [
     "",
     f"## Growth (least squares of log time on log K over K >= {FIT_MIN_K})",
@@ -122,6 +123,54 @@ def render_markdown(doc: dict[str, Any]) -> str:
   if doc.get("notes"):
     lines += ["", "## Notes", ""] + [f"- {n}" for n in doc["notes"]]
   return "\n".join(lines) + "\n"
+
+
+def _real_jobs(real: dict[str, Any] | None) -> list[str]:
+  """The real jax.distributed jobs' table (bench/scale_real.py)."""
+  if not real:
+    return []
+  counts = sorted(int(k) for k in real if k.isdigit())
+  first = real[str(counts[0])]
+  lines = [
+    "",
+    "## Real jobs: latest_step() and a restore with two slices from peers",
+    "",
+    f"Real `jax.distributed` jobs on this machine, 1 CPU device per process,"
+    f" {first['processes_per_slice']} processes per slice, the same"
+    f" {first['total_bytes'] / 2**20:,.0f} MiB in all at every size; the last"
+    f" {first['wiped_slices']} slices' ramdisks wiped before the restart. Each process"
+    " times its own call after a barrier; max (what the job waits for) / median over"
+    " processes. Restored values checked bit-for-bit.",
+    "",
+    "| processes | slices | latest_step() (first) | latest_step() (again) | restore()"
+    " | manager construction | Orbax import | sources |",
+    "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+  ]
+
+  def mm(v: dict[str, float]) -> str:
+    return f"{fmt_secs(v['max'])} / {fmt_secs(v['median'])}"
+
+  for n in counts:
+    r = real[str(n)]
+    lines.append(
+      f"| {n} | {r['slices']} | {mm(r['latest_step_s'])} | {mm(r['latest_step_again_s'])}"
+      f" | {mm(r['restore_s'])} | {mm(r['manager_init_s'])} | {mm(r['import_orbax_s'])}"
+      f" | {r['sources']} |"
+    )
+  for key, ratio in real.items():
+    if key.startswith("ratio_"):
+      _, hi, lo = key.split("_")
+      cells = " | ".join(
+        f"{v['max']:.1f}x / {v['median']:.1f}x" if v["max"] else "-"
+        for v in (
+          ratio["latest_step_s"],
+          ratio["latest_step_again_s"],
+          ratio["restore_s"],
+          ratio["manager_init_s"],
+        )
+      )
+      lines.append(f"| {hi} over {lo} | | {cells} | | |")
+  return lines
 
 
 def _payload(stages) -> str:
