@@ -219,10 +219,13 @@ def scan(root: epath.PathLike) -> PersistentListing:
   root = epath.Path(root)
   tensors = layout.tensors_dir(root)
   store = reader_store(root)
+  state_steps = store.listed_steps()
   return PersistentListing(
     root=root,
     tensor_steps=tuple(list_steps(tensors)),
-    state_steps=tuple(store.listed_steps()),
-    records=store.committed_records(),
+    state_steps=tuple(state_steps),
+    # Offline: every file a COMMIT lists is checked too (a job trusts COMMIT
+    # alone and verifies each file where it reads it).
+    records=store.fully_committed_records(state_steps),
     run=read_run_info(root),
   )

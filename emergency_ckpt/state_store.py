@@ -5,21 +5,28 @@ ramdisk; names in layout.py):
   <root>/<step>/process_<i>-of-<n>.json   {"data_state": ..., "crc32": ...}
   <root>/<step>/COMMIT                    written by the primary process last
 
-A step's state is committed iff COMMIT exists and every file it lists is
-present. Each file carries a CRC32 of its payload, checked on read, so a torn
-or edited file is detected, never silently loaded. Writes are atomic: a
-rename on filesystems, a single-object upload on GCS.
+A step's state is committed iff its COMMIT record is valid (one small read
+per step, no listing: at thousands of processes a step folder holds
+thousands of files). That is safe because the primary writes COMMIT only
+after it saw every file, delete() removes COMMIT first, and every process
+verifies its own file where it is read (restore): a file missing, torn or
+edited after COMMIT makes restore skip the step, never load it. Each file
+carries a CRC32 of its payload, checked on read. Offline tools (`emergency-ckpt
+verify`, `gc`) ask fully_committed(): COMMIT valid and every file it lists
+present (one listing of the step folder). Writes are atomic: a rename on
+filesystems, a single-object upload on GCS.
 """
 
 from __future__ import annotations
 
 import base64
+import concurrent.futures
 import json
 import logging
 import math
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from etils import epath
@@ -30,6 +37,7 @@ from emergency_ckpt.errors import CorruptCheckpointError, DataStateError, Storag
 logger = logging.getLogger("emergency_ckpt")
 
 FORMAT = "emergency_ckpt.state/1"
+READ_THREADS = 16  # COMMIT records read at once (on GCS each is a round-trip)
 
 
 def _find_bad(value: Any, where: str) -> str | None:
@@ -110,6 +118,16 @@ def decode_data_state(stored: Any) -> Any:
   return stored
 
 
+def _concurrently(fn: Callable[[Any], Any], items: Iterable[Any]) -> list[Any]:
+  """[fn(x) for x in items], READ_THREADS at once (a pool for this call only;
+  none for a single item). The first exception raised propagates."""
+  items = list(items)
+  if len(items) <= 1:
+    return [fn(x) for x in items]
+  with concurrent.futures.ThreadPoolExecutor(min(READ_THREADS, len(items)), "ec-state") as pool:
+    return list(pool.map(fn, items))
+
+
 def _canonical(data_state: Any) -> bytes:
   return json.dumps(data_state, sort_keys=True, separators=(",", ":")).encode()
 
@@ -141,7 +159,9 @@ class StateStore:
     storage.write_bytes(d / layout.state_file_name(self._me, self._n), json.dumps(doc).encode())
 
   def missing(self, step: int, count: int | None = None) -> list[int]:
-    """Processes whose file for `step` is absent (one listing)."""
+    """Processes whose file for `step` is absent: one fresh listing of the
+    step's folder (storage.list_names; gcsfs pages it, 1,000 names a page).
+    Called by: the primary's commit(), and fully_committed() (offline tools)."""
     count = self._n if count is None else count
     present = set(storage.list_names(self.step_dir(step)))  # fresh: others write here
     return [p for p in range(count) if layout.state_file_name(p, count) not in present]
@@ -200,7 +220,7 @@ class StateStore:
   def record(self, step: int) -> dict | None:
     """The COMMIT record of `step` (process_count, files, metrics, info,
     committed_at), or None if it has no valid COMMIT (its files may still
-    be missing: see is_committed). An unreachable bucket raises StorageError."""
+    be missing: see fully_committed). An unreachable bucket raises StorageError."""
     try:
       doc = json.loads(storage.read_bytes(self.step_dir(step) / layout.COMMIT_FILE))
     except FileNotFoundError:
@@ -227,33 +247,52 @@ class StateStore:
     return None if marker is None else marker["process_count"]
 
   def listed_steps(self) -> list[int]:
-    """Every step folder, committed or not, oldest first (other names ignored)."""
+    """Every step folder, committed or not, oldest first (other names ignored).
+    One listing of the root (one entry per step, not per file)."""
     return layout.steps_of_names(storage.list_names(self.root))
 
-  def committed_records(self) -> dict[int, dict]:
-    """{step: COMMIT record} of the committed steps, oldest first: COMMIT
-    valid and every file it lists present."""
-    out = {}
-    for step in self.listed_steps():
-      marker = self.record(step)
-      if marker is not None and not self.missing(step, marker["process_count"]):
-        out[step] = marker
-    return out
+  def committed_records(self, steps: Iterable[int] | None = None) -> dict[int, dict]:
+    """{step: COMMIT record} of the committed steps (valid COMMIT), oldest
+    first. Called by: the primary process (inventory at restore, retention,
+    the cleanup after restore). Blocks on one listing of the root (none if
+    the caller passes the `steps` it listed) and one small read per step,
+    READ_THREADS at once; never lists a step's folder (see the module
+    docstring for why COMMIT alone is enough; fully_committed_records() also
+    checks the files)."""
+    steps = sorted(set(self.listed_steps() if steps is None else steps))
+    records = _concurrently(self.record, steps)
+    return {s: r for s, r in zip(steps, records) if r is not None}
 
-  def committed_steps(self) -> list[int]:
-    """Steps whose COMMIT exists and lists files that are all present."""
-    return list(self.committed_records())
+  def committed_steps(self, steps: Iterable[int] | None = None) -> list[int]:
+    """Steps whose COMMIT is valid, oldest first (see committed_records)."""
+    return list(self.committed_records(steps))
 
   def has_commit(self, step: int) -> bool:
     """`step` has a valid COMMIT (one small read, no listing): what local
     retention asks after every save on every process, so it must not list a
     folder of one file per process. The files COMMIT names are checked where
-    they are read (restore) and by committed_steps()."""
+    they are read (restore) and by fully_committed()."""
     return self.record(step) is not None
 
   def is_committed(self, step: int) -> bool:
+    """Same as has_commit (one small read, no listing). Called by: the
+    primary process (metadata())."""
+    return self.has_commit(step)
+
+  def fully_committed(self, step: int) -> bool:
+    """COMMIT valid and every file it lists present: one read and one
+    listing of the step's folder (paged: 1,000 names a page on GCS). Called
+    by: offline tools (`emergency-ckpt verify`, `gc`), never on a job's path."""
     marker = self.record(step)
     return marker is not None and not self.missing(step, marker["process_count"])
+
+  def fully_committed_records(self, steps: Iterable[int] | None = None) -> dict[int, dict]:
+    """{step: COMMIT record} of the steps that are fully_committed(), oldest
+    first: what the offline tools (persistent_layout.scan) report and
+    collect by. One listing per step folder, several steps at once."""
+    records = self.committed_records(steps)
+    full = _concurrently(lambda s: not self.missing(s, records[s]["process_count"]), records)
+    return {s: r for (s, r), ok in zip(records.items(), full) if ok}
 
   def read(self, step: int, process: int | None = None, count: int | None = None) -> dict | None:
     """This process's (or `process`'s) data_state of `step`, checksum-verified.

@@ -165,7 +165,8 @@ SCENARIOS: list[Scenario] = [
   _s(
     "state.json_missing",
     "process 1's JSON of step 5 deleted (COMMIT present, a listed file missing)",
-    "step 5 not committed; step 4 restored bit-exactly",
+    "process 1's read of its JSON fails at restore (COMMIT is trusted, no listing);"
+    " step 5 skipped, step 4 restored bit-exactly",
   ),
   _s(
     "state.commit_torn",

@@ -74,13 +74,23 @@ def test_committed_steps_excludes_missing_commit(tmp_path):
   assert ss[0].listed_steps() == [10, 20]
 
 
-def test_committed_steps_excludes_commit_with_deleted_file(tmp_path):
+def test_json_deleted_after_commit_is_never_loaded(tmp_path):
+  """COMMIT alone makes a step committed (no listing of its folder, issue
+  15); a file deleted after COMMIT is caught where it is read: its process's
+  read() raises, so restore rejects the step (restorer._try_load -> state_ok
+  False -> restore_plan rejects it on every process; proven end to end by
+  test_faults_damage's state.json_missing and test_multiprocess_core's
+  e_json_missing). The offline check (fully_committed, the CLI) excludes it."""
   ss = save_step(tmp_path, 10)
   save_step(tmp_path, 20)
   os.remove(tmp_path / "20" / file_name(1, N))
-  assert ss[0].committed_steps() == [10]
-  assert not ss[0].is_committed(20)
-  assert ss[0].is_committed(10)
+  assert ss[0].committed_steps() == [10, 20]
+  assert ss[0].is_committed(20) and ss[0].is_committed(10)
+  assert not ss[0].fully_committed(20) and ss[0].fully_committed(10)
+  assert list(ss[0].fully_committed_records()) == [10]
+  with pytest.raises(CorruptCheckpointError, match="missing"):
+    ss[1].read(20)
+  assert ss[0].read(20) == payload(0, 20) and ss[1].read(10) == payload(1, 10)
 
 
 @pytest.mark.parametrize(

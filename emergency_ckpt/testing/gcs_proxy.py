@@ -1,4 +1,6 @@
-"""A fault-injecting HTTP/1.1 proxy on 127.0.0.1, in front of fake-gcs-server.
+"""A fault-injecting HTTP/1.1 proxy on 127.0.0.1, in front of fake-gcs-server;
+it records every request (`requests`), which the scale benchmark counts
+(bench/scale_commit.py). tests/gcs_proxy.py re-exports this module.
 
 Point a client at it instead of the server (STORAGE_EMULATOR_HOST for gcsfs,
 TENSORSTORE_GCS_HTTP_URL for tensorstore; `GcsProxy.env`) and add rules:
@@ -685,7 +687,7 @@ class ProxyClient:
 def _error_body(status: int) -> bytes:
   """A GCS JSON API error document (no word 'invalid': gcsfs maps that to 400)."""
   reason = {403: "forbidden", 401: "required", 404: "notFound", 429: "rateLimitExceeded"}
-  message = f"{_REASONS.get(status, 'Error')} (injected by tests.gcs_proxy)"
+  message = f"{_REASONS.get(status, 'Error')} (injected by emergency_ckpt.testing.gcs_proxy)"
   return json.dumps(
     {
       "error": {

