@@ -102,32 +102,29 @@ def slice_summary(slice_index: int, values: Mapping[int, Mapping], expected: int
   the steps every one of its `expected` processes holds locally, how many
   hold each other step, a few rejected copies, and the shared tiers if the
   primary is among them. What the slice's first process publishes."""
-  invs = [Inventory.from_json(v) for _, v in sorted(values.items())]
   held: set[int] | None = None
   some: dict[int, int] = {}
-  for inv in invs:
-    held = set(inv.local_steps) if held is None else held.intersection(inv.local_steps)
-    for step in inv.local_steps:
+  rejected: list[str] = []
+  out: dict[str, Any] = {"slice": slice_index}
+  for process, inv in sorted(values.items()):
+    steps = inv["local_steps"]
+    held = set(steps) if held is None else held.intersection(steps)
+    for step in steps:
       some[step] = some.get(step, 0) + 1
-  if len(invs) < expected:
+    for step, why in sorted(inv.get("local_rejected", {}).items(), key=lambda kv: int(kv[0])):
+      rejected.append(f"process {process} ignored local step {step}: {why}")
+    if inv.get("persistent_steps") is not None or inv.get("state_steps") is not None:
+      out["persistent_steps"] = list(inv.get("persistent_steps") or ())
+      out["state_steps"] = list(inv.get("state_steps") or ())
+  if len(values) < expected:
     held = set()
   held = held or set()
-  rejected = [
-    f"process {inv.process} ignored local step {step}: {why}"
-    for inv in invs
-    for step, why in sorted(inv.local_rejected.items())
-  ]
-  out: dict[str, Any] = {
-    "slice": slice_index,
-    "held": sorted(held),
-    "some": {str(step): n for step, n in sorted(some.items()) if step not in held},
-    "rejected": rejected[:REJECTED_SHOWN],
-    "rejected_count": len(rejected),
-  }
-  for inv in invs:
-    if inv.persistent_steps is not None or inv.state_steps is not None:
-      out["persistent_steps"] = list(inv.persistent_steps or ())
-      out["state_steps"] = list(inv.state_steps or ())
+  out.update(
+    held=sorted(held),
+    some={str(step): n for step, n in sorted(some.items()) if step not in held},
+    rejected=rejected[:REJECTED_SHOWN],
+    rejected_count=len(rejected),
+  )
   return out
 
 

@@ -192,8 +192,9 @@ class Restorer:
       if step > restored and step not in restorable:
         self._local.delete(step)
     if self._topology.is_primary_process:
-      committed = set(self._state.committed_steps())
-      for step in self._state.listed_steps():
+      listed = self._state.listed_steps()
+      committed = set(self._state.committed_steps(listed))
+      for step in listed:
         if step > restored and step not in committed:
           self._state.delete(step)
     self._collectives.barrier(f"restore_discard_{restored}")

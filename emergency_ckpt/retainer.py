@@ -94,9 +94,10 @@ class Retainer:
 
   def state(self) -> None:
     """Primary process: deletes state steps no tier needs any more."""
-    committed = self._state.committed_steps()
+    listed = self._state.listed_steps()  # one listing of the root per save
+    committed = self._state.committed_steps(listed)  # new COMMITs read, once each
     plan = retention.state_plan(
-      self._state.listed_steps(),
+      listed,
       committed,
       self._options.retention("local"),
       persistent=self._persistent.steps(),

@@ -139,6 +139,8 @@ class StateStore:
     self.root = epath.Path(root)
     self._me = process_index
     self._n = process_count
+    self._known_commits: dict[int, dict] = {}
+    """Valid COMMIT records read so far (see committed_records)."""
 
   def step_dir(self, step: int) -> epath.Path:
     return layout.state_step_dir(self.root, step)
@@ -249,7 +251,11 @@ class StateStore:
   def listed_steps(self) -> list[int]:
     """Every step folder, committed or not, oldest first (other names ignored).
     One listing of the root (one entry per step, not per file)."""
-    return layout.steps_of_names(storage.list_names(self.root))
+    steps = layout.steps_of_names(storage.list_names(self.root))
+    listed = set(steps)
+    for step in [s for s in self._known_commits if s not in listed]:
+      del self._known_commits[step]  # deleted (maybe by another tool, e.g. gc)
+    return steps
 
   def committed_records(self, steps: Iterable[int] | None = None) -> dict[int, dict]:
     """{step: COMMIT record} of the committed steps (valid COMMIT), oldest
@@ -260,8 +266,13 @@ class StateStore:
     docstring for why COMMIT alone is enough; fully_committed_records() also
     checks the files)."""
     steps = sorted(set(self.listed_steps() if steps is None else steps))
-    records = _concurrently(self.record, steps)
-    return {s: r for s, r in zip(steps, records) if r is not None}
+    # A valid COMMIT never changes until delete(): read each step's once.
+    known = self._known_commits
+    unread = [s for s in steps if s not in known]
+    for step, record in zip(unread, _concurrently(self.record, unread)):
+      if record is not None:
+        known[step] = record
+    return {s: known[s] for s in steps if s in known}
 
   def committed_steps(self, steps: Iterable[int] | None = None) -> list[int]:
     """Steps whose COMMIT is valid, oldest first (see committed_records)."""
@@ -323,5 +334,6 @@ class StateStore:
   def delete(self, step: int) -> None:
     """Removes a step's state, COMMIT first. Called by: the primary process."""
     d = self.step_dir(step)
+    self._known_commits.pop(step, None)
     storage.unlink(d / layout.COMMIT_FILE)
     storage.rmtree(d)

@@ -24,7 +24,8 @@ def test_scale_benchmark_tiny(tmp_path):
   out = tmp_path / "scale"
   cmd = [sys.executable, "-m", "emergency_ckpt.bench.scale", "--ks", "4,16", "--reps", "1"]
   cmd += ["--planner-processes", "64,256", "--planner-reps", "1", "--timeout", "60"]
-  cmd += ["--real-processes", "none", "--out", str(out)]  # real jobs: test_scale_job.py
+  cmd += ["--real-processes", "none", "--commit-ks", "8"]  # real jobs: test_scale_job.py
+  cmd += ["--out", str(out)]
   proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
   assert proc.returncode == 0, proc.stderr[-6000:]
   assert "[scale" in proc.stderr  # progress lines
@@ -56,6 +57,11 @@ def test_scale_benchmark_tiny(tmp_path):
   assert [p["k"] for p in old] == [4, 16]
   for p in old:  # the algorithm before: set + one blocking get per process
     assert p["calls_per_process_min"] == p["calls_per_process_max"] == p["k"] + 1, p
+
+  commit = doc["commit"]["points"]
+  assert [p["k"] for p in commit] == [8] and commit[0]["ok"], commit
+  assert commit[0]["objects_written"] == 9 and commit[0]["commit_listing_pages"] == 1
+  assert "State-store commit" in (out / "scale.md").read_text()
 
   planner = stages["planner"]["points"]
   assert [p["k"] for p in planner] == [64, 256]

@@ -330,3 +330,23 @@ def test_has_commit_reads_the_marker_without_listing(tmp_path, monkeypatch):
   monkeypatch.setattr(storage, "list_names", lambda path: listings.append(path) or real(path))
   assert ss[0].has_commit(10) and not ss[0].has_commit(20) and not ss[0].has_commit(30)
   assert listings == []
+
+
+def test_commit_records_are_read_once_and_forgotten_when_deleted(tmp_path, monkeypatch):
+  """Retention asks for the committed steps after every save: a COMMIT never
+  changes until its step is deleted, so each is read once; a step deleted
+  (here, or by another tool) is forgotten at the next listing."""
+  for step in (1, 2, 3):
+    save_step(tmp_path, step)
+  primary = StateStore(tmp_path, process_index=0, process_count=N)
+  reads = []
+  real = primary.record
+  monkeypatch.setattr(primary, "record", lambda step: reads.append(step) or real(step))
+  assert primary.committed_steps() == [1, 2, 3] and sorted(reads) == [1, 2, 3]
+  save_step(tmp_path, 4)
+  assert primary.committed_steps() == [1, 2, 3, 4] and sorted(reads) == [1, 2, 3, 4]
+  primary.delete(1)
+  StateStore(tmp_path, process_index=0, process_count=N).delete(2)  # another tool
+  assert primary.committed_steps() == [3, 4] and len(reads) == 4
+  save_step(tmp_path, 2)  # saved again after a restore to step 1: read anew
+  assert primary.committed_steps() == [2, 3, 4] and len(reads) == 5

