@@ -501,14 +501,14 @@ def _reset(path: str, pristine: str) -> None:
 def _stop_at_status_exchange() -> None:
   """This process SIGSTOPs itself when restore() reaches its per-step status
   exchange: after the inventory agreement, in the middle of the restore."""
-  original = topology_lib.Collectives.exchange
+  original = topology_lib.Collectives.gather_sparse
 
-  def exchange(self, name, payload, **kw):
+  def gather_sparse(self, name, payload, **kw):
     while name.startswith("restore_status"):  # hangs for good (see failpoints.hit)
       signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
     return original(self, name, payload, **kw)
 
-  topology_lib.Collectives.exchange = exchange
+  topology_lib.Collectives.gather_sparse = gather_sparse
 
 
 def _append_record(rec: dict) -> None:
