@@ -50,6 +50,7 @@ class Retainer:
     self._background = background
     self._lock = threading.Lock()
     self._watch_stop: threading.Event | None = None  # the newest watch's; set = give up
+    self._signalled: int | None = None  # the newest committed_<step> signal raised
     self._closed = False
 
   # ---- ranking ---------------------------------------------------------------
@@ -177,6 +178,9 @@ class Retainer:
   def after_commit(self, step: int) -> None:
     """Primary process, on the commit lane, once `step` committed."""
     self._collectives.signal(f"committed_{step}")
+    if self._signalled is not None:  # watchers of older steps were ended by newer ones
+      self._collectives.forget(signal=f"committed_{self._signalled}")
+    self._signalled = step
     if self.over_budget():
       self.local_soon()
     self.state()

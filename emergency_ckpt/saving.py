@@ -192,6 +192,8 @@ class SavePipeline:
         f"state_written_{step}", self._topology.process_count, timeout_s=timeout_s
       ),
     )
+    # The counter was the commit's hint only: late writers add to a fresh one.
+    self._collectives.forget(count=f"state_written_{step}")
     if committed:
       self._retainer.after_commit(step)
 

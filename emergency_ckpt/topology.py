@@ -430,6 +430,24 @@ class Collectives:
     except Exception as e:  # noqa: BLE001 - already raised, or the service is gone
       logger.debug("%s signal %r not set: %s", self._topology.log_prefix(), name, e)
 
+  def forget(self, *, signal: str | None = None, count: str | None = None) -> None:
+    """Deletes signal `signal` and/or counter `count` from the coordination
+    service (one call each), once nobody needs them: per-step hints would
+    otherwise pile up for the whole job. A failure is logged, not raised.
+    Called by: the one process that owns them (the primary)."""
+    if self._client is None:
+      return
+    for key in (
+      self._signal_key(signal) if signal else None,
+      self._count_key(count) if count else None,
+    ):
+      if key is None:
+        continue
+      try:
+        self._client.key_value_delete(key)
+      except Exception as e:  # noqa: BLE001 - leftover keys cost memory, not correctness
+        logger.debug("%s %r not deleted: %s", self._topology.log_prefix(), key, e)
+
   def _count_key(self, name: str) -> str:
     return f"emergency_ckpt/{self._namespace}/count/{name}"
 

@@ -25,14 +25,25 @@ def save_job(args: dict) -> dict:
   waits; reports what was saved and this process's slice."""
   t0 = time.monotonic()
   mesh = sc.mesh_for(args["slices"])
-  saved = []
+  saved, keys = [], []
+  client = jax._src.distributed.global_state.client  # noqa: SLF001
   with ec.CheckpointManager(sc.options(args), mesh=mesh) as mngr:
     for step in args["steps"]:
       if mngr.save(step, sc.make_state(mesh, step), data_state=sc.data_state(step)):
         saved.append(step)
-    mngr.wait_until_finished()
+      mngr.wait_until_finished()
+      mngr.all_steps()
+      barrier(f"scale-keys-{step}")
+      # what the job left in the coordination service after this step
+      keys.append(len(client.key_value_dir_get("emergency_ckpt/")))
+      barrier(f"scale-counted-{step}")
     slice_index = mngr.topology.slice_index
-  return {"saved": saved, "slice": slice_index, "elapsed_s": round(time.monotonic() - t0, 2)}
+  return {
+    "saved": saved,
+    "slice": slice_index,
+    "service_keys": keys,
+    "elapsed_s": round(time.monotonic() - t0, 2),
+  }
 
 
 def restart_job(args: dict) -> dict:

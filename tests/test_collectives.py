@@ -173,3 +173,15 @@ def test_gather_tree_timeout_names_the_missing_processes(job):
         "late", 1, per_slice=lambda s, v: len(v), combine=lambda s: s, timeout_s=1
       ),
     )
+
+
+def test_forget_deletes_a_steps_hints(job):
+  cols, counted = job
+  cols[0].signal("committed_3")
+  _all(cols, lambda c: c.count("written_3"))
+  assert cols[0].wait_count("written_3", 6, timeout_s=5)
+  cols[0].forget(signal="committed_3", count="written_3")
+  assert counted[0].key_value_dir_get("emergency_ckpt/t/") == []
+  import threading  # noqa: PLC0415
+
+  assert not cols[1].wait_signal("committed_3", timeout_s=0.2, stop=threading.Event(), poll_s=0.1)
