@@ -48,9 +48,7 @@ import crc32c
 import orbax.checkpoint as ocp
 from etils import epath
 
-from emergency_ckpt import compat, failpoints, layout, local_format
-from emergency_ckpt import shards as shards_lib
-from emergency_ckpt.errors import CorruptCheckpointError
+from emergency_ckpt import failpoints, layout, local_format, local_read
 from emergency_ckpt.local_format import LocalStep
 
 if TYPE_CHECKING:
@@ -110,34 +108,12 @@ class LocalShardsHandler(ocp.CheckpointHandler):
       os.fsync(f.fileno())
 
   def restore(self, directory: epath.Path, args: LocalShardsRestore | None = None) -> LocalStep:
-    """The step's shards as arrays over a private mapping of `shards.bin`
-    (nothing copied), each checked against its CRC32C: those `args`
-    describe, or every saved shard if it gives no abstract state.
-
-    Raises OSError (files absent), CorruptCheckpointError (bad bytes),
-    TopologyMismatchError (a needed shard absent), StateMismatchError
-    (tree, shape or dtype differ)."""
+    """The step's shards, verified (local_read.read_step: those `args`
+    describe, or every saved shard if it gives no abstract state)."""
     args = LocalShardsRestore() if args is None else args
-    where = os.fspath(directory)
-    body = local_format.read_manifest(where)
-    if args.abstract is None:
-      return LocalStep(body["step"], body, _every_shard(body, self._map(where, body, args), where))
-    paths, abstract = args.paths, args.abstract
-    if paths is None:
-      paths, abstract, _ = shards_lib.leaf_paths(abstract)
-    compat.check_tree([leaf["path"] for leaf in body["leaves"]], paths, where)
-    shard_layout = shards_lib.layout_for(paths, abstract)
-    buf = self._map(where, body, args)
-    return LocalStep(
-      body["step"], body, local_format.verified_shards(body, buf, shard_layout, where)
+    return local_read.read_step(
+      os.fspath(directory), abstract=args.abstract, paths=args.paths, on_map=args.on_map
     )
-
-  @staticmethod
-  def _map(where: str, body: dict, args: LocalShardsRestore) -> Any:
-    with open(os.path.join(where, local_format.SHARDS), "rb") as f:
-      if args.on_map is not None:
-        args.on_map(os.fstat(f.fileno()))
-      return local_format.map_open(f, body["nbytes"], where)
 
   def metadata(self, directory: epath.Path) -> dict:
     """The step's manifest body (tree, shapes, dtypes, shards, identity);
@@ -211,24 +187,6 @@ def write_shards(path: str, staged: HostSnapshot) -> list[list[int]]:
     return crcs
   finally:
     os.close(fd)
-
-
-def _every_shard(body: dict, buf: Any, where: str) -> list[dict[tuple, Any]]:
-  """Per saved leaf, {index: shard array} of every shard, each verified."""
-  out = []
-  for leaf in body["leaves"]:
-    dtype = shards_lib.dtype_from_name(leaf["dtype"])
-    arrays = {}
-    for s in leaf["shards"]:
-      index = tuple(tuple(r) for r in s["index"])
-      data = buf[s["offset"] : s["offset"] + s["nbytes"]]
-      if len(data) != s["nbytes"] or not local_format.checksum_ok(data, s):
-        raise CorruptCheckpointError(
-          f"{where}/{local_format.SHARDS}: leaf {leaf['path']} shard {index} fails its checksum"
-        )
-      arrays[index] = data.view(dtype).reshape(shards_lib.shard_shape(index))
-    out.append(arrays)
-  return out
 
 
 # ---- the temporary folder ------------------------------------------------------------

@@ -60,11 +60,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from emergency_ckpt import failpoints, layout, local_format
+from emergency_ckpt import failpoints, layout, local_format, local_read
 from emergency_ckpt.background import Background
 from emergency_ckpt.errors import (
   CorruptCheckpointError,
-  EmergencyCheckpointError,
   UnsafeDirectoryError,
 )
 from emergency_ckpt.local_format import LocalStep
@@ -128,9 +127,12 @@ class LocalTier:
     run_id: str,
     topology: Topology,
     background: Background | None = None,
+    orbax_ready: Callable[[], None] | None = None,
   ):
     """`background`: whose lane "local-write" runs the writes (a private
-    one if None)."""
+    one if None). `orbax_ready`: blocks until Orbax may be used (the
+    manager's multihost set-up); the first write calls it, then opens the
+    checkpointer. Reading never needs Orbax."""
     self._options = options
     self._topology = topology
     self._run_id = run_id
@@ -148,11 +150,25 @@ class LocalTier:
     self._max_spares = options.staging_buffers  # one per write that may run at once
     self._mapped: set[tuple[int, int]] = set()  # (st_dev, st_ino) of files read() mapped
     self._closed = False
-    # Orbax's checkpointer API over this folder alone (local_handler.py).
-    self._checkpointer: LocalCheckpointer = _handler().LocalCheckpointer(
-      process_index=topology.process_index, barrier_prefix=f"ec_local_{run_id}"
-    )
+    # Orbax's checkpointer API over this folder alone (local_handler.py),
+    # opened on first use: loading Orbax is off the restore path.
+    self._orbax_ready = orbax_ready
+    self._checkpointer: LocalCheckpointer | None = None
+    self._open_lock = threading.Lock()
     self._cleanup_tmp()
+
+  def open(self) -> LocalCheckpointer:
+    """The tier's Orbax checkpointer, created on first use (after
+    `orbax_ready`). Called by: the writer thread; blocks on loading Orbax
+    the first time."""
+    if self._checkpointer is None and self._orbax_ready is not None:
+      self._orbax_ready()  # never under the lock: the warm-up may take a while
+    with self._open_lock:
+      if self._checkpointer is None:
+        self._checkpointer = _handler().LocalCheckpointer(
+          process_index=self._topology.process_index, barrier_prefix=f"ec_local_{self._run_id}"
+        )
+      return self._checkpointer
 
   # ---- listing -------------------------------------------------------------
   def step_dir(self, step: int) -> str:
@@ -256,7 +272,7 @@ class LocalTier:
       spare=None if spare is None else os.path.join(spare, local_format.SHARDS),
     )
     try:
-      self._checkpointer.save(final, args=args)
+      self.open().save(final, args=args)
     finally:
       if spare is not None:  # empty unless the save failed before taking its file
         shutil.rmtree(spare, ignore_errors=True)
@@ -297,15 +313,11 @@ class LocalTier:
       with self._spare_lock:
         self._mapped.add((st.st_dev, st.st_ino))
 
-    args = _handler().LocalShardsRestore(abstract=list(abstract), paths=list(paths), on_map=mapped)
-    try:
-      return self._checkpointer.restore(where, args=args)
-    except ValueError as e:  # Orbax's "incomplete checkpoint": LocalTemporaryPath refused it
-      if isinstance(e, EmergencyCheckpointError):
-        raise
+    if os.path.islink(where) or not os.path.isdir(where):
       raise CorruptCheckpointError(
-        f"{where} is not a step folder the local tier wrote (a symlink, or not a folder): {e}"
-      ) from None
+        f"{where} is not a step folder the local tier wrote (a symlink, or not a folder)"
+      )
+    return local_read.read_step(where, abstract=list(abstract), paths=list(paths), on_map=mapped)
 
   # ---- delete --------------------------------------------------------------
   def delete(self, step: int, *, recycle: bool = False) -> None:
@@ -358,7 +370,9 @@ class LocalTier:
   def close(self) -> None:
     """Waits for writes, then removes the spares."""
     self.wait()
-    self._checkpointer.close()
+    with self._open_lock:
+      if self._checkpointer is not None:
+        self._checkpointer.close()
     with self._spare_lock:
       self._closed = True
       spares, self._spares = self._spares, []

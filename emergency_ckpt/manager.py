@@ -9,7 +9,9 @@ topology (identity and collectives), policies (when to save).
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
+import threading
 import time
 from typing import Any
 
@@ -65,7 +67,6 @@ class CheckpointManager:
     self._options = options
     self._topology = topo = topology_from_mesh(mesh, options.replica_axis)
     self._run_id = options.effective_run_id
-    init_orbax_multihost()
     self._collectives = Collectives(
       topo, namespace=self._run_id, timeout_s=options.collective_timeout_s
     )
@@ -76,8 +77,16 @@ class CheckpointManager:
       job=job_key(),
       preparer=self._background.lane("prepare", low_priority=True),
     )
+    # Orbax loads in the background, after restore() or at the first save():
+    # a restart's path to restored state never waits for it.
+    self._orbax: tuple[concurrent.futures.Future, concurrent.futures.Future] | None = None
+    self._orbax_lock = threading.Lock()
     self._local = LocalTier(
-      options.local, run_id=self._run_id, topology=topo, background=self._background
+      options.local,
+      run_id=self._run_id,
+      topology=topo,
+      background=self._background,
+      orbax_ready=self._orbax_imported,
     )
     root = epath.Path(options.persistent.directory)
     self._state = StateStore(
@@ -90,6 +99,7 @@ class CheckpointManager:
       barrier_prefix=f"ec_{self._run_id}",
       on_finalized=lambda step: self._saves.persistent_finalized(step),
       timeout_s=options.collective_timeout_s,
+      orbax_ready=self._orbax_ready,
     )
     self._events = EventLog(options.event_log, process=topo.process_index, slice=topo.slice_index)
     tiers = dict(local=self._local, persistent=self._persistent, state=self._state)
@@ -202,6 +212,7 @@ class CheckpointManager:
     """
     self._check_open()
     _check_step(step)
+    self._load_orbax()  # every process calls save(): the set-up's barrier completes
     if self._last_step is not None and step <= self._last_step:
       kind = StepAlreadyExistsError if step == self._last_step else StepError
       raise kind(
@@ -223,6 +234,32 @@ class CheckpointManager:
     self._saves.save(step, state, data_state, decision, metrics, started=t0)
     self._last_step = step
     return True
+
+  def _load_orbax(self) -> None:
+    """Starts, once, on a background lane: importing Orbax, then its
+    multihost set-up (a global barrier inside Orbax: every process). Called
+    by: every process, at the end of restore() and at every save(); blocks
+    on nothing. Not tracked as background work: a failure is raised where
+    Orbax is needed (a process that died early fails the set-up; the local
+    tier, which needs only the import, keeps saving)."""
+    with self._orbax_lock:
+      if self._orbax is None:
+        lane = self._background.lane("orbax")
+        self._orbax = (lane.submit(_import_orbax), lane.submit(init_orbax_multihost))
+
+  def _orbax_imported(self) -> None:
+    """Blocks until Orbax is imported (starting the load if needed). Called
+    by: the local tier, before its first write."""
+    self._load_orbax()
+    self._orbax[0].result()
+
+  def _orbax_ready(self) -> None:
+    """Blocks until Orbax is imported and its multihost set-up done
+    (starting them if needed); raises their error. Called by: the persistent
+    tier, before its first save or restore."""
+    self._load_orbax()
+    self._orbax[0].result()
+    self._orbax[1].result()
 
   def prepare(self, abstract_state: Any) -> None:
     """Starts preparing, in the background, the host staging buffer that
@@ -295,7 +332,10 @@ class CheckpointManager:
         " result.data_state."
       )
     self.wait_until_finished()
-    out = self._restorer.restore(abstract_state, self._inventory.exchange("restore"), step, t0)
+    try:
+      out = self._restorer.restore(abstract_state, self._inventory.exchange("restore"), step, t0)
+    finally:  # restored or not, every process alike: saves come next
+      self._load_orbax()
     self._last_step = out.step
     saved = decode_data_state(out.data_state)
     if target is not None and saved is not None:
@@ -409,3 +449,9 @@ def _check_step(step: Any) -> None:
 
 
 __all__ = ["CheckpointManager", "RestoreResult", "StepMetadata"]
+
+
+def _import_orbax() -> None:
+  """Imports Orbax (about 0.5 s of CPU; more when a host's processes load it
+  at once) through the local tier's handler module."""
+  from emergency_ckpt import local_handler  # noqa: F401, PLC0415

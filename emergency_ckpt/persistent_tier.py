@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -99,7 +100,10 @@ class PersistentTier:
     barrier_prefix: str,
     on_finalized: Callable[[int], None] | None = None,
     timeout_s: float = 1200.0,
+    orbax_ready: Callable[[], None] | None = None,
   ):
+    """`orbax_ready`: blocks until Orbax may be used (the manager's
+    multihost set-up), called before the first save opens Orbax."""
     self._options = options
     self._topology = topology
     self._mesh = mesh
@@ -115,13 +119,31 @@ class PersistentTier:
     if topology.is_primary_process:
       # Before this job's first save: Orbax's first save barriers with us.
       cleanup_unfinalized(self.directory)
-    if topology.is_primary_slice:
+    self._timeout_s = timeout_s
+    self._barrier_prefix = barrier_prefix
+    self._orbax_ready = orbax_ready
+    self._open_lock = threading.Lock()
+
+  def open(self) -> None:
+    """Creates the Orbax CheckpointManager that saves (primary slice only;
+    a no-op elsewhere and when done), after `orbax_ready`. Called by: the
+    first persistent save on each primary-slice process; blocks on loading
+    Orbax the first time. Restores never need it."""
+    topology = self._topology
+    if not topology.is_primary_slice or self._manager is not None:
+      return
+    if self._orbax_ready is not None:
+      self._orbax_ready()  # never under the lock
+    with self._open_lock:
+      if self._manager is not None:
+        return
+      options, timeout_s = self._options, self._timeout_s
       ocp = _ocp()
       procs = set(topology.slice_processes[0])
       mp = ocp.options.MultiprocessingOptions(
         primary_host=topology.primary_process,
         active_processes=procs if topology.process_count > 1 else None,
-        barrier_sync_key_prefix=barrier_prefix,
+        barrier_sync_key_prefix=self._barrier_prefix,
       )
       self.directory.mkdir(parents=True, exist_ok=True)  # idempotent on every process
       # Writes the shards of replica 0 only: the primary slice's.
@@ -200,13 +222,14 @@ class PersistentTier:
     """save() and save_snapshot() come after wait_previous(): at most one
     upload is in flight, and the caller chooses where to wait for it (the
     manager: before it stages, never inside the staging window)."""
-    if self._manager is None:
+    if not self._topology.is_primary_slice:
       raise RuntimeError("only the primary slice saves persistently")
     if self._upload is not None:
       raise RuntimeError("call wait_previous(step) before starting the next upload")
 
   def _start(self, step: int, tree: Any) -> None:
     failpoints.hit("persistent.before_save", step)
+    self.open()
     self._saving_step = step  # before save: the finalize callback reads it
     try:
       self._manager.save(step, args=_ocp().args.PyTreeSave(tree))
@@ -252,7 +275,10 @@ class PersistentTier:
     delete_step(self.directory, step)
 
   def restore(self, step: int, abstract_tree: Any) -> Any:
-    """Reads `step` onto abstract_tree's shardings. Called by: every process."""
+    """Reads `step` onto abstract_tree's shardings. Called by: every process
+    (all alike: the multihost set-up behind `orbax_ready` is collective)."""
+    if self._orbax_ready is not None:
+      self._orbax_ready()
     ocp = _ocp()
     path = layout.tensor_step_dir(self.directory, step) / layout.ORBAX_ITEM
     with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ckptr:

@@ -287,9 +287,10 @@ def test_a_recycled_spare_is_written_in_place(tier, state):
 def test_a_save_leaves_orbax_operation_id_and_threads_alone(tier, state):
   """A local save neither moves Orbax's process-wide operation id (the
   persistent tier's barrier keys carry it) nor starts a thread."""
+  assert tier.tier._checkpointer is None  # opened by the first write, not before
+  tier.save(1, state)  # the writer lane's thread exists from now on
   ckptr = tier.tier._checkpointer
   assert isinstance(ckptr, LocalCheckpointer) and isinstance(ckptr, ocp.Checkpointer)
-  tier.save(1, state)  # the writer lane's thread exists from now on
   before_id = synchronization.OperationIdGenerator.get_current_operation_id()
   before_threads = {t.ident for t in threading.enumerate()}
   for step in (2, 3, 4):

@@ -299,14 +299,19 @@ def measure_exchange(
     return _measure_exchange(k, reps, run_old, timeout_s, run_allgather)
 
 
-def _rounds(sim: Simulation, fn, reps: int, timeout_s: float, what: str) -> list[dict[str, Any]]:
+def _rounds(
+  sim: Simulation, fn, reps: int, timeout_s: float, what: str, check=None
+) -> list[dict[str, Any]]:
   """reps + 1 rounds of fn(i) on every simulated process (the first is the
-  warm-up); fn returns whether its process got the right answer."""
+  warm-up); fn returns whether its process got the right answer, or
+  `check(what)` raises, after the round (outside the timed part)."""
   rounds = []
   for rep in range(reps + 1):
     for c in sim.clients:
       c.reset()
     wall, cpu, ok = _run_threads(sim.k, lambda i, rep=rep: fn(i, rep), timeout_s, what)
+    if check is not None:
+      check(what)
     if not all(ok):
       raise AssertionError(f"K={sim.k}: {what} returned wrong values")
     rounds.append(_round_stats(sim, wall, cpu))
@@ -337,10 +342,20 @@ def _measure_exchange(
     invs = [restore_plan.Inventory.from_json(p) for p in payloads]
     want = restore_plan.summarize(invs, sim.slice_processes)
 
-    def tree(i: int, rep: int) -> bool:
-      return inventory.gather(colls[i], invs[i], "inventory") == want
+    got: list[Any] = [None] * k
 
-    out["exchange"] = _exchange_point(sim, _rounds(sim, tree, reps, timeout_s, "gather"), sizes)
+    def tree(i: int, rep: int) -> bool:
+      got[i] = inventory.gather(colls[i], invs[i], "inventory")  # checked after the round
+      return True
+
+    def check(what: str) -> None:
+      wrong = [i for i in range(k) if got[i] != want]
+      if wrong:
+        raise AssertionError(f"K={k}: {what} gave processes {wrong[:8]} a wrong summary")
+
+    out["exchange"] = _exchange_point(
+      sim, _rounds(sim, tree, reps, timeout_s, "gather", check), sizes
+    )
 
     if run_allgather:
 

@@ -1,0 +1,69 @@
+"""Reading one process's local step folder: map, verify, hand out arrays.
+
+Shared by the local tier's restore path (which must not wait for Orbax to
+load: a restart's time to restored state is on the job's critical path) and
+the Orbax handler (local_handler.LocalShardsHandler.restore, for plain Orbax
+users). No Orbax here. Called by: any thread; blocks on one checksum pass.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from emergency_ckpt import compat, local_format
+from emergency_ckpt import shards as shards_lib
+from emergency_ckpt.errors import CorruptCheckpointError
+from emergency_ckpt.local_format import LocalStep
+
+
+def read_step(
+  where: str,
+  *,
+  abstract: Any = None,
+  paths: Sequence[str] | None = None,
+  on_map: Callable[[os.stat_result], None] | None = None,
+) -> LocalStep:
+  """The step's shards as arrays over a private mapping of `shards.bin`
+  (nothing copied), each checked against its CRC32C: those `abstract`
+  describes (a pytree, or with `paths` the flat list), or every saved shard
+  if None. `on_map` gets the file's stat before it is mapped.
+
+  Raises OSError (files absent), CorruptCheckpointError (bad bytes),
+  TopologyMismatchError (a needed shard absent), StateMismatchError (tree,
+  shape or dtype differ)."""
+  body = local_format.read_manifest(where)
+  if abstract is None:
+    return LocalStep(body["step"], body, _every_shard(body, _map(where, body, on_map), where))
+  if paths is None:
+    paths, abstract, _ = shards_lib.leaf_paths(abstract)
+  compat.check_tree([leaf["path"] for leaf in body["leaves"]], paths, where)
+  shard_layout = shards_lib.layout_for(paths, abstract)
+  buf = _map(where, body, on_map)
+  return LocalStep(body["step"], body, local_format.verified_shards(body, buf, shard_layout, where))
+
+
+def _map(where: str, body: dict, on_map) -> Any:
+  with open(os.path.join(where, local_format.SHARDS), "rb") as f:
+    if on_map is not None:
+      on_map(os.fstat(f.fileno()))
+    return local_format.map_open(f, body["nbytes"], where)
+
+
+def _every_shard(body: dict, buf: Any, where: str) -> list[dict[tuple, Any]]:
+  """Per saved leaf, {index: shard array} of every shard, each verified."""
+  out = []
+  for leaf in body["leaves"]:
+    dtype = shards_lib.dtype_from_name(leaf["dtype"])
+    arrays = {}
+    for s in leaf["shards"]:
+      index = tuple(tuple(r) for r in s["index"])
+      data = buf[s["offset"] : s["offset"] + s["nbytes"]]
+      if len(data) != s["nbytes"] or not local_format.checksum_ok(data, s):
+        raise CorruptCheckpointError(
+          f"{where}/{local_format.SHARDS}: leaf {leaf['path']} shard {index} fails its checksum"
+        )
+      arrays[index] = data.view(dtype).reshape(shards_lib.shard_shape(index))
+    out.append(arrays)
+  return out
