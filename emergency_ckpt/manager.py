@@ -77,7 +77,7 @@ class CheckpointManager:
       job=job_key(),
       preparer=self._background.lane("prepare", low_priority=True),
     )
-    # Orbax loads in the background, after restore() or at the first save():
+    # Orbax loads in the background, started at the end of construction:
     # a restart's path to restored state never waits for it.
     self._orbax: tuple[concurrent.futures.Future, concurrent.futures.Future] | None = None
     self._orbax_lock = threading.Lock()
@@ -142,6 +142,9 @@ class CheckpointManager:
     )
     self._last_step: int | None = None
     self._closed = False
+    # Every process, now that all are up: Orbax's set-up barrier must not
+    # wait for a process lost later (a slice dying mid-save).
+    self._load_orbax()
     if topo.is_primary_process:
       persistent_layout.write_run_info(
         root,
@@ -212,7 +215,6 @@ class CheckpointManager:
     """
     self._check_open()
     _check_step(step)
-    self._load_orbax()  # every process calls save(): the set-up's barrier completes
     if self._last_step is not None and step <= self._last_step:
       kind = StepAlreadyExistsError if step == self._last_step else StepError
       raise kind(
@@ -238,10 +240,10 @@ class CheckpointManager:
   def _load_orbax(self) -> None:
     """Starts, once, on a background lane: importing Orbax, then its
     multihost set-up (a global barrier inside Orbax: every process). Called
-    by: every process, at the end of restore() and at every save(); blocks
-    on nothing. Not tracked as background work: a failure is raised where
-    Orbax is needed (a process that died early fails the set-up; the local
-    tier, which needs only the import, keeps saving)."""
+    by: every process, at the end of construction; blocks on nothing. Not tracked as background work: a failure
+    is raised where Orbax is needed (a process that died during start-up
+    fails the set-up; the local tier, which needs only the import, keeps
+    saving)."""
     with self._orbax_lock:
       if self._orbax is None:
         lane = self._background.lane("orbax")
@@ -332,10 +334,7 @@ class CheckpointManager:
         " result.data_state."
       )
     self.wait_until_finished()
-    try:
-      out = self._restorer.restore(abstract_state, self._inventory.exchange("restore"), step, t0)
-    finally:  # restored or not, every process alike: saves come next
-      self._load_orbax()
+    out = self._restorer.restore(abstract_state, self._inventory.exchange("restore"), step, t0)
     self._last_step = out.step
     saved = decode_data_state(out.data_state)
     if target is not None and saved is not None:
