@@ -22,6 +22,7 @@ from emergency_ckpt import layout, persistent_layout, policies, retention
 from emergency_ckpt import shards as shards_lib
 from emergency_ckpt.background import Background
 from emergency_ckpt.errors import (
+  CollectiveTimeoutError,
   DataStateError,
   EmergencyCheckpointError,
   InvalidOptionsError,
@@ -81,6 +82,7 @@ class CheckpointManager:
     # a restart's path to restored state never waits for it.
     self._orbax: tuple[concurrent.futures.Future, concurrent.futures.Future] | None = None
     self._orbax_lock = threading.Lock()
+    self._orbax_waited = False
     self._local = LocalTier(
       options.local,
       run_id=self._run_id,
@@ -215,6 +217,9 @@ class CheckpointManager:
     """
     self._check_open()
     _check_step(step)
+    if not self._orbax_waited:  # once: no process saves before every one set Orbax up,
+      self._orbax_ready()  # so a process lost later cannot fail that barrier
+      self._orbax_waited = True
     if self._last_step is not None and step <= self._last_step:
       kind = StepAlreadyExistsError if step == self._last_step else StepError
       raise kind(
@@ -260,8 +265,15 @@ class CheckpointManager:
     (starting them if needed); raises their error. Called by: the persistent
     tier, before its first save or restore."""
     self._load_orbax()
-    self._orbax[0].result()
-    self._orbax[1].result()
+    try:
+      self._orbax[0].result()
+      self._orbax[1].result()
+    except Exception as e:
+      raise CollectiveTimeoutError(
+        f"{self._topology.log_prefix()} Orbax's multihost set-up (a barrier of every"
+        f" process, started when the manager was created) failed: {e}. A process died"
+        " or hung during start-up: check every process's log, then restart the job."
+      ) from e
 
   def prepare(self, abstract_state: Any) -> None:
     """Starts preparing, in the background, the host staging buffer that
@@ -275,8 +287,15 @@ class CheckpointManager:
 
   def wait_until_finished(self) -> None:
     """Blocks until every started save is durable (local files, JSON, COMMIT,
-    persistent upload). Called by: every process. Re-raises the first error
-    of background work as soon as it happens."""
+    persistent upload) and Orbax is loaded and set up. Called by: every
+    process. Re-raises the first error of background work as soon as it
+    happens."""
+    self._wait_saves()
+    self._orbax_ready()
+
+  def _wait_saves(self) -> None:
+    """wait_until_finished() without waiting for Orbax's load (restore()
+    never waits for it)."""
     self._wait_idle()
     self._background.wait(self._persistent.in_flight)
     # Orbax's finalize queues persistent retention: wait for it first. If
@@ -333,7 +352,7 @@ class CheckpointManager:
         f" reposition), got a {type(target).__name__}; the saved value is in"
         " result.data_state."
       )
-    self.wait_until_finished()
+    self._wait_saves()
     out = self._restorer.restore(abstract_state, self._inventory.exchange("restore"), step, t0)
     self._last_step = out.step
     saved = decode_data_state(out.data_state)
