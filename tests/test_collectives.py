@@ -170,7 +170,7 @@ def test_gather_tree_timeout_names_the_missing_processes(job):
     _all(
       cols[:5],
       lambda c: c.gather_tree(
-        "late", 1, per_slice=lambda s, v: len(v), combine=lambda s: s, timeout_s=1
+        "late", 1, per_slice=lambda s, v: len(v), combine=lambda s: s, timeout_s=5
       ),
     )
 
