@@ -130,6 +130,11 @@ def _int_list(text: str) -> list[int]:
   return values
 
 
+def _int_list_or_none(text: str) -> list[int]:
+  """_int_list, or [] for "none" (skip the stage)."""
+  return [] if text.strip() in ("", "0", "none") else _int_list(text)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
   p = argparse.ArgumentParser(
     prog="python -m emergency_ckpt.bench.scale",
@@ -161,14 +166,14 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--timeout", type=float, default=300.0, help="seconds per exchange round")
   p.add_argument(
     "--real-processes",
-    type=lambda t: [] if t.strip() in ("", "0", "none") else _int_list(t),
+    type=_int_list_or_none,
     default=list(DEFAULT_REAL_PROCESSES),
     help="process counts of the real jax.distributed jobs ('none': skip them)",
   )
   p.add_argument("--real-mib", type=float, default=64.0, help="bytes the real job holds in all")
   p.add_argument(
     "--commit-ks",
-    type=lambda t: [] if t.strip() in ("", "0", "none") else _int_list(t),
+    type=_int_list_or_none,
     default=list(DEFAULT_COMMIT_KS),
     help="simulated writers of the state-store commit on fake-gcs-server ('none': skip)",
   )
