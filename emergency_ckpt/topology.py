@@ -136,13 +136,18 @@ def topology_from_mesh(mesh: jax.sharding.Mesh, replica_axis: str | int) -> Topo
 # process, or per simulated process in the scale benchmark): every process
 # makes the same calls in the same order, so the n-th call of a name gets the
 # same key everywhere, even across several managers in one process.
-_SEQUENCES: dict[tuple[int, str], itertools.count] = {}
+# Each entry keeps its client alive: an id() is unique only while its object
+# lives, and a new client (a re-initialised jax.distributed, a test's fake)
+# given a dead one's id must not continue that client's sequence.
+_SEQUENCES: dict[tuple[int, str], tuple[Any, itertools.count]] = {}
 _SEQ_LOCK = threading.Lock()
 
 
 def _next_key(namespace: str, name: str, client: Any) -> str:
   with _SEQ_LOCK:
-    counter = _SEQUENCES.setdefault((id(client), f"{namespace}/{name}"), itertools.count())
+    _, counter = _SEQUENCES.setdefault(
+      (id(client), f"{namespace}/{name}"), (client, itertools.count())
+    )
     return f"emergency_ckpt/{namespace}/{name}/{next(counter)}"
 
 

@@ -185,3 +185,17 @@ def test_forget_deletes_a_steps_hints(job):
   import threading  # noqa: PLC0415
 
   assert not cols[1].wait_signal("committed_3", timeout_s=0.2, stop=threading.Event(), poll_s=0.1)
+
+
+def test_a_new_client_starts_its_own_sequence():
+  """Exchange keys are numbered per client. A client created after another
+  was freed may get its id(); it must still start at 0, or its process
+  would wait under other keys than the rest (seen: a fixture's fresh
+  clients timing out in a full suite run)."""
+  from emergency_ckpt import topology  # noqa: PLC0415
+
+  class Client:
+    pass
+
+  for _ in range(200):
+    assert topology._next_key("seq-test", "x", Client()).endswith("/x/0")
