@@ -84,19 +84,13 @@ class Inventory:
     if topo.num_slices == 1:
       return
     mine = self._collectives.group_by("placement_hosts", self._host, topo.slice_index)
-    by_slice: dict[int, list[int]] = {}
-    for p, s in mine.items():
-      by_slice.setdefault(s, []).append(p)
     report = None
-    if len(by_slice) > 1 and topo.process_index == min(mine):
-      report = {self._host: {str(s): sorted(ps) for s, ps in sorted(by_slice.items())}}
+    if len(set(mine.values())) > 1 and topo.process_index == min(mine):
+      report = {"host": self._host, "processes": sorted(mine)}
     found = self._collectives.gather_sparse("placement", report)
-    shared = {
-      h: {int(s): tuple(ps) for s, ps in sl.items()}
-      for rep in found.values()
-      for h, sl in rep.items()
-    }
-    self.placement_problem = placement.describe(dict(sorted(shared.items())))
+    hosts = {p: rep["host"] for rep in found.values() for p in rep["processes"]}
+    shared = placement.shared_hosts(hosts, topo.slice_processes)
+    self.placement_problem = placement.describe(shared)
     if self.placement_problem and topo.is_primary_process:
       self._events.record("placement", hosts=len(shared), error=self.placement_problem)
 

@@ -4,7 +4,8 @@ A slice's local copies protect against losing a machine only if no machine
 holds processes of two slices: losing it then loses both copies of the shards
 those slices share, and the restore that a peer should have served falls
 back to the persistent tier. Pure functions; the host ids come from
-topology.host_identity(), exchanged in restore's inventory.
+topology.host_identity(), compared per machine by inventory.py (once per
+manager; only shared machines are reported to everyone).
 """
 
 from __future__ import annotations
