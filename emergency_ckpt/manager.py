@@ -9,9 +9,7 @@ topology (identity and collectives), policies (when to save).
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
-import threading
 import time
 from typing import Any
 
@@ -22,7 +20,6 @@ from emergency_ckpt import layout, persistent_layout, policies, retention
 from emergency_ckpt import shards as shards_lib
 from emergency_ckpt.background import Background
 from emergency_ckpt.errors import (
-  CollectiveTimeoutError,
   DataStateError,
   EmergencyCheckpointError,
   InvalidOptionsError,
@@ -33,6 +30,7 @@ from emergency_ckpt.errors import (
 from emergency_ckpt.inventory import Inventory, StepMetadata
 from emergency_ckpt.local_tier import LocalTier
 from emergency_ckpt.options import CheckpointManagerOptions
+from emergency_ckpt.orbax_loader import OrbaxLoader
 from emergency_ckpt.persistent_tier import PersistentTier
 from emergency_ckpt.records import StepRecords, check_metrics
 from emergency_ckpt.restorer import Restorer, RestoreResult
@@ -44,7 +42,6 @@ from emergency_ckpt.telemetry import EventLog
 from emergency_ckpt.topology import (
   Collectives,
   host_identity,
-  init_orbax_multihost,
   job_key,
   reached_preemption,
   topology_from_mesh,
@@ -80,15 +77,13 @@ class CheckpointManager:
     )
     # Orbax loads in the background, started at the end of construction:
     # a restart's path to restored state never waits for it.
-    self._orbax: tuple[concurrent.futures.Future, concurrent.futures.Future] | None = None
-    self._orbax_lock = threading.Lock()
-    self._orbax_waited = False
+    self._orbax = OrbaxLoader(self._background, topo.log_prefix())
     self._local = LocalTier(
       options.local,
       run_id=self._run_id,
       topology=topo,
       background=self._background,
-      orbax_ready=self._orbax_imported,
+      orbax_ready=self._orbax.imported,
     )
     root = epath.Path(options.persistent.directory)
     self._state = StateStore(
@@ -101,7 +96,7 @@ class CheckpointManager:
       barrier_prefix=f"ec_{self._run_id}",
       on_finalized=lambda step: self._saves.persistent_finalized(step),
       timeout_s=options.collective_timeout_s,
-      orbax_ready=self._orbax_ready,
+      orbax_ready=self._orbax.ready,
     )
     self._events = EventLog(options.event_log, process=topo.process_index, slice=topo.slice_index)
     tiers = dict(local=self._local, persistent=self._persistent, state=self._state)
@@ -146,7 +141,7 @@ class CheckpointManager:
     self._closed = False
     # Every process, now that all are up: Orbax's set-up barrier must not
     # wait for a process lost later (a slice dying mid-save).
-    self._load_orbax()
+    self._orbax.start()
     if topo.is_primary_process:
       persistent_layout.write_run_info(
         root,
@@ -217,9 +212,9 @@ class CheckpointManager:
     """
     self._check_open()
     _check_step(step)
-    if not self._orbax_waited:  # once: no process saves before every one set Orbax up,
-      self._orbax_ready()  # so a process lost later cannot fail that barrier
-      self._orbax_waited = True
+    # No process saves before every one set Orbax up (at once after the first
+    # save), so a process lost later cannot fail that barrier.
+    self._orbax.ready()
     if self._last_step is not None and step <= self._last_step:
       kind = StepAlreadyExistsError if step == self._last_step else StepError
       raise kind(
@@ -242,39 +237,6 @@ class CheckpointManager:
     self._last_step = step
     return True
 
-  def _load_orbax(self) -> None:
-    """Starts, once, on a background lane: importing Orbax, then its
-    multihost set-up (a global barrier inside Orbax: every process). Called
-    by: every process, at the end of construction; blocks on nothing. Not tracked as background work: a failure
-    is raised where Orbax is needed (a process that died during start-up
-    fails the set-up; the local tier, which needs only the import, keeps
-    saving)."""
-    with self._orbax_lock:
-      if self._orbax is None:
-        lane = self._background.lane("orbax")
-        self._orbax = (lane.submit(_import_orbax), lane.submit(init_orbax_multihost))
-
-  def _orbax_imported(self) -> None:
-    """Blocks until Orbax is imported (starting the load if needed). Called
-    by: the local tier, before its first write."""
-    self._load_orbax()
-    self._orbax[0].result()
-
-  def _orbax_ready(self) -> None:
-    """Blocks until Orbax is imported and its multihost set-up done
-    (starting them if needed); raises their error. Called by: the persistent
-    tier, before its first save or restore."""
-    self._load_orbax()
-    try:
-      self._orbax[0].result()
-      self._orbax[1].result()
-    except Exception as e:
-      raise CollectiveTimeoutError(
-        f"{self._topology.log_prefix()} Orbax's multihost set-up (a barrier of every"
-        f" process, started when the manager was created) failed: {e}. A process died"
-        " or hung during start-up: check every process's log, then restart the job."
-      ) from e
-
   def prepare(self, abstract_state: Any) -> None:
     """Starts preparing, in the background, the host staging buffer that
     saves of `abstract_state`'s layout copy into (restore() does this too),
@@ -291,7 +253,7 @@ class CheckpointManager:
     process. Re-raises the first error of background work as soon as it
     happens."""
     self._wait_saves()
-    self._orbax_ready()
+    self._orbax.ready()
 
   def _wait_saves(self) -> None:
     """wait_until_finished() without waiting for Orbax's load (restore()
@@ -467,9 +429,3 @@ def _check_step(step: Any) -> None:
 
 
 __all__ = ["CheckpointManager", "RestoreResult", "StepMetadata"]
-
-
-def _import_orbax() -> None:
-  """Imports Orbax (about 0.5 s of CPU; more when a host's processes load it
-  at once) through the local tier's handler module."""
-  from emergency_ckpt import local_handler  # noqa: F401, PLC0415
