@@ -13,8 +13,11 @@ import signal
 import time
 from typing import Any
 
+import jax
+
 import emergency_ckpt as ec
 from emergency_ckpt.state_store import StateStore
+from emergency_ckpt.testing import launcher
 from tests import scenarios as sc
 from tests.gcs_proxy import ProxyClient
 
@@ -128,6 +131,13 @@ def kill_mid_upload(args: dict) -> None:
   committed = _wait_committed(args, {args["steps_after"][-1]}, 60)
   print(f"kill_mid_upload: held; committed {committed}; killing myself", flush=True)
   sc.barrier("kill")
+  me = jax.process_index()
+  if me == 0:
+    # Process 0 hosts the coordination service: a client that loses it
+    # aborts (SIGABRT) before it reaches its own kill, so it goes last.
+    launcher.wait_for_siblings(
+      launcher.job_output_dir(), me, jax.process_count(), 30, until_gone=True
+    )
   os.kill(os.getpid(), signal.SIGKILL)
 
 
