@@ -285,6 +285,8 @@ DELETING_PERSISTENT_PREFIX = ".deleting-"
 COMMIT_FILE = "COMMIT"
 """A state step's marker, written by the primary process once every file exists."""
 STATE_FILE_SUFFIX = ".json"
+SHARD_TABLE_FILE = "SHARDS"
+"""A persistent step's shard table (checksums.py), written by the primary before COMMIT."""
 
 
 def tensors_dir(root: epath.PathLike) -> epath.Path:

@@ -13,6 +13,9 @@ The tensorstore specs and context are Orbax's own (its public type_handlers
 helpers build them from the step's _METADATA), so this reads exactly what
 Orbax would, including its OCDBT databases, zarr2/zarr3 and compression.
 Nothing here writes: the persistent tier stays in Orbax's standard format.
+Every region is read as the saved shards that cover it and checked against
+their recorded CRC32C (checksums.py): in place when the region is a saved
+shard (an unchanged sharding), else whole into a scratch array, then cut.
 
 Called by: every process that restores from persistent (no collective);
 blocks until its shards are read.
@@ -25,9 +28,10 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 from etils import epath
 
-from emergency_ckpt import compat
+from emergency_ckpt import checksums, compat
 from emergency_ckpt import shards as shards_lib
 from emergency_ckpt.errors import CorruptCheckpointError, StateMismatchError
 from emergency_ckpt.staging import aligned_empty
@@ -45,9 +49,11 @@ def _read_metadata(item_dir: epath.Path) -> dict:
     ) from e
 
 
-def read(item_dir: epath.Path, abstract_tree: Any, ocp: Any) -> Any:
+def read(item_dir: epath.Path, abstract_tree: Any, ocp: Any, expected: checksums.Expected) -> Any:
   """abstract_tree's arrays read from the Orbax item at `item_dir` (the
-  tree, shapes and dtypes already checked against its metadata)."""
+  tree, shapes and dtypes already checked against its metadata), every
+  byte checked against the shard CRC32Cs in `expected` (checksums.py):
+  CorruptCheckpointError naming the leaf on a mismatch."""
   import tensorstore as ts  # noqa: PLC0415 - heavy import, only when used
 
   paths, abstract, treedef = shards_lib.leaf_paths(abstract_tree)
@@ -82,18 +88,46 @@ def read(item_dir: epath.Path, abstract_tree: Any, ocp: Any) -> Any:
     for leaf in layout.leaves
   ]
   opened = [ts.open(spec(name), read=True, context=context) for name in names]
-  writes = []
-  for name, future, leaf, by_index in zip(names, opened, layout.leaves, views):
+  reads = []  # (name, path, saved shard, destination, tensorstore future)
+  copies = []  # (saved-shard array, its index, destination view, the view's index)
+  for name, path, future, leaf, by_index in zip(names, paths, opened, layout.leaves, views):
     store = _wait(future.result, name, item_dir)
     compat.check_leaf(name, store.shape, store.dtype.numpy_dtype, leaf.shape, leaf.dtype, item_dir)
+    pieces: dict[shards_lib.Index, np.ndarray] = {}
     for slot in leaf.slots:
-      if slot.nbytes:
-        source = store[tuple(slice(lo, hi) for lo, hi in slot.index)]
-        writes.append((name, ts.array(by_index[slot.index], copy=False).write(source)))
-  for name, write in writes:
-    _wait(write.result, name, item_dir)
+      if not slot.nbytes:
+        continue
+      saved = expected.saved(path, slot.index)
+      if len(saved) == 1 and saved[0].index == slot.index:  # read in place, checked there
+        target = by_index[slot.index]
+        reads.append((name, path, saved[0], target, _read(ts, store, slot.index, target)))
+        continue
+      for shard in saved:  # another sharding: whole saved shards, checked, then cut
+        if shard.index not in pieces:
+          piece = np.empty(shards_lib.shard_shape(shard.index), leaf.dtype)
+          pieces[shard.index] = piece
+          reads.append((name, path, shard, piece, _read(ts, store, shard.index, piece)))
+        copies.append((pieces[shard.index], shard.index, by_index[slot.index], slot.index))
+  expected.prefetch(shard for _, _, shard, _, _ in reads)  # while tensorstore reads
+  for name, path, shard, target, read_done in reads:
+    _wait(read_done.result, name, item_dir)
+    expected.check(path, shard, target)
+  for piece, piece_index, target, target_index in copies:
+    box = checksums.overlap(piece_index, target_index)
+    target[_within(box, target_index)] = piece[_within(box, piece_index)]
   arrays = [shards_lib.assemble(a, by_index) for a, by_index in zip(abstract, views)]
   return jax.tree_util.tree_unflatten(treedef, arrays)
+
+
+def _read(ts: Any, store: Any, index: shards_lib.Index, target: np.ndarray) -> Any:
+  """Starts reading the box `index` of `store` into `target`."""
+  source = store[tuple(slice(lo, hi) for lo, hi in index)]
+  return ts.array(target, copy=False).write(source)
+
+
+def _within(box: shards_lib.Index, origin: shards_lib.Index) -> tuple[slice, ...]:
+  """`box` as slices of an array whose global index is `origin`."""
+  return tuple(slice(lo - o, hi - o) for (lo, hi), (o, _) in zip(box, origin))
 
 
 def _wait(result: Callable[[], Any], name: str, item_dir: epath.Path) -> Any:

@@ -38,9 +38,13 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from emergency_ckpt import compat, failpoints, layout, persistent_read, storage
+from emergency_ckpt import checksums, compat, failpoints, layout, persistent_read, storage
 from emergency_ckpt import shards as shards_lib
-from emergency_ckpt.errors import CollectiveTimeoutError
+from emergency_ckpt.errors import (
+  CollectiveTimeoutError,
+  CorruptCheckpointError,
+  StateMismatchError,
+)
 from emergency_ckpt.options import PersistentTierOptions
 from emergency_ckpt.persistent_layout import (
   cleanup_unfinalized,
@@ -274,16 +278,35 @@ class PersistentTier:
     """Deletes `step` (finalization marker first). Called by: the primary process."""
     delete_step(self.directory, step)
 
-  def restore(self, step: int, abstract_tree: Any) -> Any:
-    """Reads `step` onto abstract_tree's shardings. Called by: every process
-    (all alike: the multihost set-up behind `orbax_ready` is collective)."""
+  def restore(self, step: int, abstract_tree: Any, expected: checksums.Expected) -> Any:
+    """Reads `step` onto abstract_tree's shardings, every byte checked
+    against `expected` (CorruptCheckpointError naming the leaf otherwise).
+    Called by: every process (all alike: the multihost set-up behind
+    `orbax_ready` is collective)."""
     if self._orbax_ready is not None:
       self._orbax_ready()
     ocp = _ocp()
     path = layout.tensor_step_dir(self.directory, step) / layout.ORBAX_ITEM
-    with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ckptr:
-      _check_matches(ckptr.metadata(path), abstract_tree, path)
-    return persistent_read.read(path, abstract_tree, ocp)
+    # What was saved, from the step's own checksummed record: a mismatch
+    # there is the caller's; one with Orbax's metadata after it is damage.
+    paths, abstract, _ = shards_lib.leaf_paths(abstract_tree)
+    compat.check_state(
+      {p: (shape, shards_lib.dtype_from_name(dt)) for p, (shape, dt) in expected.arrays.items()},
+      paths,
+      abstract,
+      path,
+      ordered=False,
+    )
+    try:
+      with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ckptr:
+        _check_matches(ckptr.metadata(path), abstract_tree, path)
+      return persistent_read.read(path, abstract_tree, ocp, expected)
+    except StateMismatchError as e:
+      what = str(e).split(" Pass the abstract_state")[0]
+      raise CorruptCheckpointError(
+        f"persistent step {step}'s stored array metadata is damaged: it contradicts the"
+        f" step's checksummed record of its shapes and dtypes ({what})"
+      ) from e
 
   def _wait_all(self) -> None:
     upload, self._upload = self._upload, None

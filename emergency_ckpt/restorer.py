@@ -123,6 +123,7 @@ class Restorer:
     cands = restore_plan.candidates(job, step=step)
     peer_problem = peer.check_peer_compatible(paths, abstract, self._mesh, topo.replica_axis_name)
     tried: list[str] = []
+    corrupt: list[str] = []  # persistent steps found damaged
     for cand in cands:
       status, local, data_state = self._try_load(cand, paths, abstract)
       got = self._collectives.gather_sparse(
@@ -143,7 +144,7 @@ class Restorer:
         tried.append(f"step {cand.step}: {why}")
         continue
       try:
-        state = self._execute(plan, abstract_state, paths, abstract, treedef, local)
+        state = self._run(plan, abstract_state, paths, abstract, treedef, local)
       except PeerTransferError as e:  # raised on every process alike
         plan = restore_plan.decide(
           _without_peer(cand, topo.num_slices), statuses, topo.slice_processes
@@ -157,11 +158,26 @@ class Restorer:
         if plan is None:
           tried.append(f"step {cand.step}: {e}")
           continue
-        state = self._execute(plan, abstract_state, paths, abstract, treedef, local)
+        try:
+          state = self._run(plan, abstract_state, paths, abstract, treedef, local)
+        except _Damaged as e:
+          tried.append(f"step {cand.step}: {e}")
+          corrupt.append(str(e))
+          continue
+      except _Damaged as e:  # on every process alike
+        tried.append(f"step {cand.step}: {e}")
+        corrupt.append(str(e))
+        continue
       source = plan.sources[topo.slice_index]
       logger.info("%s restored step %d from %s", topo.log_prefix(), plan.step, source)
       self._discard_newer(plan.step, {c.step for c in cands})
       return Outcome(plan.step, state, data_state, source), tried
+    if corrupt:  # nothing left, and a persistent step was damaged: say which leaf
+      raise CorruptCheckpointError(
+        f"no restorable checkpoint: {'; '.join(tried)}. The persistent tier's copies"
+        " are damaged and no ramdisk holds these steps: start from scratch, or restore"
+        " a copy of the bucket."
+      )
     return None, tried
 
   def _absence(self, job, step: int | None, tried: list[str]) -> EmergencyCheckpointError:
@@ -258,7 +274,44 @@ class Restorer:
     if plan.sources[topo.slice_index] == restore_plan.LOCAL:
       arrays = [shards_lib.assemble(a, by_index) for a, by_index in zip(abstract, local.arrays)]
       return jax.tree_util.tree_unflatten(treedef, arrays)
-    return self._persistent.restore(plan.step, abstract_state)
+    count = self._state.saved_process_count(plan.step) or topo.process_count
+    expected = self._state.expected_crcs(plan.step, count)
+    return self._persistent.restore(plan.step, abstract_state, expected)
+
+  def _run(self, plan, abstract_state, paths, abstract, treedef, local):
+    """_execute, then (if any slice read the persistent tier) one exchange
+    of the persistent readers' failures: a shard that failed its checksum
+    on any process raises _Damaged on every process (the step is skipped);
+    any other failure raises on every process."""
+    if restore_plan.PERSISTENT not in plan.sources:
+      return self._execute(plan, abstract_state, paths, abstract, treedef, local)
+    state, failure, raised = None, None, None
+    try:
+      state = self._execute(plan, abstract_state, paths, abstract, treedef, local)
+    except CorruptCheckpointError as e:
+      failure = {"corrupt": True, "error": str(e)}
+      logger.warning("%s persistent step %d: %s", self._topology.log_prefix(), plan.step, e)
+    except Exception as e:
+      failure, raised = {"corrupt": False, "error": f"{type(e).__name__}: {e}"}, e
+    failures = self._collectives.gather_sparse(f"persistent_read_{plan.step}", failure)
+    if raised is not None:
+      raise raised
+    fatal = {p: f["error"] for p, f in failures.items() if not f["corrupt"]}
+    if fatal:
+      raise EmergencyCheckpointError(
+        f"reading persistent step {plan.step} failed on processes {sorted(fatal)}:"
+        f" {next(iter(fatal.values()))}. See those processes' logs."
+      )
+    if failures:
+      first = min(failures)
+      raise _Damaged(
+        f"persistent step {plan.step} is damaged (process {first}: {failures[first]['error']})"
+      )
+    return state
+
+
+class _Damaged(Exception):
+  """A persistent read failed its checksums somewhere: skip the step (every process)."""
 
 
 def _without_peer(cand: restore_plan.Candidate, num_slices: int) -> restore_plan.Candidate:

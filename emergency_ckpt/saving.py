@@ -10,7 +10,9 @@ In the background (lanes of background.py):
   it) -> on the primary process, COMMIT once every JSON exists -> retention.
   Primary slice at persistent steps: the upload, from arrays aliasing the
   snapshot on CPU (Orbax inline elsewhere: its device-to-host copy must end
-  before the trainer may donate the arrays).
+  before the trainer may donate the arrays); its JSON state carries the
+  CRC32C of each shard it holds, summed from the snapshot, and the primary
+  writes the step's shard table before COMMIT (checksums.py).
 
 No collective anywhere in save(); the persistent upload's barriers span the
 primary slice's processes only.
@@ -19,19 +21,21 @@ primary slice's processes only.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
 
-from emergency_ckpt import failpoints, persistent_layout, policies
+from emergency_ckpt import checksums, failpoints, persistent_layout, policies
 from emergency_ckpt import shards as shards_lib
 from emergency_ckpt.background import Background
 from emergency_ckpt.local_tier import LocalTier, WriteResult
 from emergency_ckpt.records import StepRecords
 from emergency_ckpt.retainer import Retainer
-from emergency_ckpt.staging import StagingArea
+from emergency_ckpt.staging import HostSnapshot, StagingArea
 from emergency_ckpt.state_store import StateStore
 from emergency_ckpt.telemetry import EventLog
 
@@ -41,6 +45,26 @@ logger = logging.getLogger("emergency_ckpt")
 def tiers_of(decision: policies.SaveDecision) -> list[str]:
   """The names of the tiers `decision` saves to."""
   return [t for t, on in (("local", decision.local), ("persistent", decision.persistent)) if on]
+
+
+@dataclasses.dataclass
+class _Checksums:
+  """What a persistent step's shard checksums are made from (primary slice)."""
+
+  snapshot: HostSnapshot
+  release: Callable[[], None]
+  """Lets the snapshot's buffer go (a hold() taken in save())."""
+  paths: list[str]
+  abstract: list[Any]
+
+  def crcs(self) -> dict:
+    """This process's shard CRC32Cs (checksums.snapshot_crcs); lets go of
+    the snapshot, once."""
+    release, self.release = self.release, lambda: None
+    try:
+      return checksums.snapshot_crcs(self.snapshot.layout, self.snapshot.buffer)
+    finally:
+      release()
 
 
 class SavePipeline:
@@ -109,7 +133,9 @@ class SavePipeline:
       self._persistent.wait_previous(step)
     snapshot_upload = persistent and self._upload_snapshots
     reserved = None
-    if decision.local or snapshot_upload:
+    # A persistent step is staged even without a local write: its shard
+    # checksums are summed from the snapshot (checksums.py).
+    if decision.local or persistent:
       reserved = self._staging.reserve(paths, leaves)  # may wait for a running local write
     # Co-located processes start their background work only once no process
     # of the job on this machine is inside this block; nothing in it waits
@@ -120,18 +146,21 @@ class SavePipeline:
         snapshot = self._staging.stage(step, paths, leaves, reserved)
         logger.debug("%s step %d staged in %.3fs", topo.log_prefix(), step, snapshot.stall_s)
       release = snapshot.hold() if snapshot_upload else None  # before the write frees it
+      abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in leaves]
+      sums = _Checksums(snapshot, snapshot.hold(), paths, abstract) if persistent else None
       nbytes = 0
       if decision.local:
         nbytes = snapshot.layout.nbytes
         self._background.track(
-          self._local.write_async(snapshot, on_done=lambda r: self._after_local(r, data_state))
+          self._local.write_async(
+            snapshot, on_done=lambda r: self._after_local(r, data_state, sums)
+          )
         )
       else:
         if snapshot is not None:
           snapshot.release()
-        self._queue_state(step, data_state)
+        self._queue_state(step, data_state, sums)
       if snapshot_upload:
-        abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in leaves]
 
         def snapshot_tree() -> Any:  # on the upload thread
           snapshot.wait_others_staged()
@@ -161,16 +190,18 @@ class SavePipeline:
       error=error,
     )
 
-  def _after_local(self, result: WriteResult, data_state: dict | None) -> None:
+  def _after_local(
+    self, result: WriteResult, data_state: dict | None, sums: _Checksums | None
+  ) -> None:
     self.durable(result.step, "local", result.nbytes, result.error)
-    self._queue_state(result.step, data_state)
+    self._queue_state(result.step, data_state, sums)
     if result.ok:
       self._retainer.after_local_write(result.step)
 
-  def _queue_state(self, step: int, data_state: dict | None) -> None:
+  def _queue_state(self, step: int, data_state: dict | None, sums: _Checksums | None) -> None:
     def write_state() -> None:
       try:
-        self._state.write(step, data_state)
+        self._state.write(step, data_state, None if sums is None else sums.crcs())
       except Exception as e:
         self.durable(step, "state", None, f"{type(e).__name__}: {e}")
         raise
@@ -179,10 +210,15 @@ class SavePipeline:
 
     write = self._background.submit("state-write", write_state)
     if self._topology.is_primary_process:
-      self._background.submit("commit", self._commit, write, step)
+      self._background.submit("commit", self._commit, write, step, sums)
 
-  def _commit(self, write: concurrent.futures.Future, step: int) -> None:
+  def _commit(self, write: concurrent.futures.Future, step: int, sums: _Checksums | None) -> None:
     write.result()
+    if sums is not None:  # a persistent step: its shard table, before COMMIT
+      primary = self._topology.slice_processes[0]
+      self._state.write_shard_table(
+        step, checksums.shard_table(step, sums.paths, sums.abstract, primary)
+      )
     committed = self._state.commit(
       step,
       timeout_s=self._options.state_commit_timeout_s,

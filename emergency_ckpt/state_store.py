@@ -3,6 +3,7 @@
 Layout (under the persistent directory's state/, so it survives losing any
 ramdisk; names in layout.py):
   <root>/<step>/process_<i>-of-<n>.json   {"data_state": ..., "crc32": ...}
+  <root>/<step>/SHARDS                    persistent steps: the shard table (checksums.py)
   <root>/<step>/COMMIT                    written by the primary process last
 
 A step's state is committed iff its COMMIT record is valid (one small read
@@ -31,7 +32,7 @@ from typing import Any
 
 from etils import epath
 
-from emergency_ckpt import failpoints, layout, storage
+from emergency_ckpt import checksums, failpoints, layout, storage
 from emergency_ckpt.errors import CorruptCheckpointError, DataStateError, StorageError
 
 logger = logging.getLogger("emergency_ckpt")
@@ -145,8 +146,10 @@ class StateStore:
   def step_dir(self, step: int) -> epath.Path:
     return layout.state_step_dir(self.root, step)
 
-  def write(self, step: int, data_state: dict | None) -> None:
-    """Writes this process's file for `step`. Called by: every process."""
+  def write(self, step: int, data_state: dict | None, shard_crc32c: dict | None = None) -> None:
+    """Writes this process's file for `step`. Called by: every process.
+    `shard_crc32c`: at a persistent step, on the primary slice, the CRC32C
+    of each shard this process holds (checksums.snapshot_crcs)."""
     failpoints.hit("state.before_write", step)
     d = self.step_dir(step)
     d.mkdir(parents=True, exist_ok=True)
@@ -158,7 +161,60 @@ class StateStore:
       "data_state": data_state,
       "crc32": zlib.crc32(_canonical(data_state)),
     }
+    if shard_crc32c is not None:
+      doc["shard_crc32c"] = shard_crc32c
+      doc["shard_crc32c_crc32"] = zlib.crc32(checksums.canonical(shard_crc32c))
     storage.write_bytes(d / layout.state_file_name(self._me, self._n), json.dumps(doc).encode())
+
+  def write_shard_table(self, step: int, table: dict) -> None:
+    """Writes the SHARDS file of a persistent step (checksums.shard_table).
+    Called by: the primary process, before commit()."""
+    d = self.step_dir(step)
+    d.mkdir(parents=True, exist_ok=True)
+    storage.write_bytes(d / layout.SHARD_TABLE_FILE, json.dumps(table).encode())
+
+  def expected_crcs(self, step: int, count: int) -> checksums.Expected:
+    """The recorded shard checksums of persistent step `step` (saved by
+    `count` processes): reads its SHARDS file now (CorruptCheckpointError if
+    absent or damaged) and the JSONs of the recording processes as needed,
+    READ_THREADS at once. Called by: any process reading the step."""
+    path = self.step_dir(step) / layout.SHARD_TABLE_FILE
+    try:
+      doc = json.loads(storage.read_bytes(path))
+    except FileNotFoundError:
+      raise CorruptCheckpointError(
+        f"{path} is missing: persistent step {step} has no shard checksums and cannot be"
+        " verified. Restore another step."
+      ) from None
+    except StorageError:
+      raise
+    except (OSError, ValueError) as e:
+      raise CorruptCheckpointError(f"{path} is unreadable ({e})") from None
+    table = checksums.parse_table(doc, step, path)
+
+    def fetch(processes: list[int]) -> dict:
+      docs = _concurrently(lambda p: self._shard_crcs(step, p, count), processes)
+      return dict(zip(processes, docs))
+
+    return checksums.Expected(step, table, fetch, str(self.step_dir(step)))
+
+  def _shard_crcs(self, step: int, process: int, count: int) -> dict:
+    path = self.step_dir(step) / layout.state_file_name(process, count)
+    try:
+      doc = json.loads(storage.read_bytes(path))
+      raw = doc["shard_crc32c"]
+      ok = doc.get("step") == step and zlib.crc32(checksums.canonical(raw)) == doc.get(
+        "shard_crc32c_crc32"
+      )
+    except FileNotFoundError:
+      raise CorruptCheckpointError(f"{path} is missing") from None
+    except StorageError:
+      raise
+    except (OSError, ValueError, KeyError, TypeError) as e:
+      raise CorruptCheckpointError(f"{path}: no readable shard checksums ({e})") from None
+    if not ok:
+      raise CorruptCheckpointError(f"{path}: its shard checksums fail their CRC32 (torn or edited)")
+    return checksums.parse_crcs(raw, path)
 
   def missing(self, step: int, count: int | None = None) -> list[int]:
     """Processes whose file for `step` is absent: one fresh listing of the

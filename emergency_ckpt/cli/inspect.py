@@ -41,19 +41,27 @@ def _local_steps(root: str) -> list[dict[str, Any]]:
   return rows
 
 
-def _persistent_steps(root: epath.Path) -> list[dict[str, Any]]:
+def _persistent_steps(root: epath.Path, check: bool) -> list[dict[str, Any]]:
+  """One row per step; `check`: every shard of each restorable step read
+  and compared with its recorded CRC32C (persistent_verify)."""
   listing = persistent_layout.scan(root)
   finalized, committed = set(listing.tensor_steps), listing.committed
-  return [
-    {
+  rows = []
+  for step in sorted(finalized | set(listing.state_steps)):
+    row = {
       "tier": "persistent",
       "step": step,
       "tensors": "committed" if step in finalized else "absent",
       "state": "committed" if step in committed else "uncommitted",
       "path": str(root),
     }
-    for step in sorted(finalized | set(listing.state_steps))
-  ]
+    if check and step in finalized and step in committed:
+      from emergency_ckpt import persistent_verify  # noqa: PLC0415 - tensorstore
+
+      problems = persistent_verify.verify_step(root, step)
+      row.update(status="ok" if not problems else "BAD", problems=problems)
+    rows.append(row)
+  return rows
 
 
 def _describe_local(row: dict[str, Any], check: bool) -> dict[str, Any]:
@@ -82,7 +90,7 @@ def collect(dirs: list[str], *, check: bool) -> list[dict[str, Any]]:
   for d in dirs:
     root = epath.Path(d)
     if persistent_layout.looks_persistent(root):
-      rows.extend(_persistent_steps(root))
+      rows.extend(_persistent_steps(root, check))
     elif os.path.isdir(d):
       rows.extend(_describe_local(r, check) for r in _local_steps(d))
     else:
