@@ -138,8 +138,19 @@ class PersistentTierOptions:
   (see README, Persistent tier). Turn it on when the bucket's bandwidth, not
   the hosts' CPU, bounds the upload."""
 
+  shared_read: bool = True
+  """When every slice restores the same step from this tier (no ramdisk
+  holds it), the slices split its shards: each reads about 1/S from storage
+  and gets the rest from the other slices over peer.transport "stream"
+  (checksums checked on arrival), so the model leaves the bucket once per
+  restore, not once per slice. Falls back to every process reading its own
+  shards if the transfer fails. Needs peer.transport "stream" and a state
+  replicated over the replica axis; otherwise each process reads its own.
+  False: always read per process."""
+
   def __post_init__(self):
     _require(isinstance(self.compression, bool), "persistent.compression must be true or false.")
+    _require(isinstance(self.shared_read, bool), "persistent.shared_read must be true or false.")
     _require(
       isinstance(self.directory, str) and bool(self.directory),
       "persistent.directory must be a non-empty path or gs:// URL.",

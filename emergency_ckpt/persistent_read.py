@@ -37,6 +37,7 @@ from emergency_ckpt.errors import CorruptCheckpointError, StateMismatchError
 from emergency_ckpt.staging import aligned_empty
 
 METADATA = "_METADATA"
+COALESCE = "experimental_read_coalescing_threshold_bytes"
 
 
 def _read_metadata(item_dir: epath.Path) -> dict:
@@ -54,9 +55,28 @@ def read(item_dir: epath.Path, abstract_tree: Any, ocp: Any, expected: checksums
   tree, shapes and dtypes already checked against its metadata), every
   byte checked against the shard CRC32Cs in `expected` (checksums.py):
   CorruptCheckpointError naming the leaf on a mismatch."""
+  _, abstract, treedef = shards_lib.leaf_paths(abstract_tree)
+  layout, buffer = read_into(item_dir, abstract_tree, ocp, expected)
+  arrays = [
+    shards_lib.assemble(a, {s.index: shards_lib.view(buffer, leaf, s) for s in leaf.slots})
+    for a, leaf in zip(abstract, layout.leaves)
+  ]
+  return jax.tree_util.tree_unflatten(treedef, arrays)
+
+
+def read_into(
+  item_dir: epath.Path,
+  abstract_tree: Any,
+  ocp: Any,
+  expected: checksums.Expected,
+  select: Callable[[int, shards_lib.ShardSlot], bool] | None = None,
+) -> tuple[shards_lib.Layout, np.ndarray]:
+  """(this process's layout, a page-aligned buffer laid out so) with every
+  slot read and checked as read() does, or only the slots (leaf number,
+  slot) that `select` accepts (the rest left unwritten)."""
   import tensorstore as ts  # noqa: PLC0415 - heavy import, only when used
 
-  paths, abstract, treedef = shards_lib.leaf_paths(abstract_tree)
+  paths, abstract, _ = shards_lib.leaf_paths(abstract_tree)
   names = jax.tree_util.tree_leaves(
     ocp.tree.get_param_names(abstract_tree, include_empty_nodes=False)
   )
@@ -77,9 +97,15 @@ def read(item_dir: epath.Path, abstract_tree: Any, ocp: Any, expected: checksums
     info = ocp.type_handlers.ParamInfo(
       name=name, parent_dir=item_dir, is_ocdbt_checkpoint=use_ocdbt, use_zarr3=use_zarr3
     )
-    return ocp.type_handlers.get_json_tspec_read(
+    out = ocp.type_handlers.get_json_tspec_read(
       info, use_ocdbt=use_ocdbt, raise_array_data_missing_error=missing_is_error
     )
+    kvstore = out.get("kvstore")
+    if select is not None and isinstance(kvstore, dict) and COALESCE in kvstore:
+      # Orbax merges reads of one remote data file less than 1 MB apart,
+      # gaps included: a partial read would fetch the other slices' shards.
+      kvstore[COALESCE] = 0
+    return out
 
   layout = shards_lib.layout_for(paths, abstract)
   buffer = aligned_empty(layout.nbytes)
@@ -90,12 +116,14 @@ def read(item_dir: epath.Path, abstract_tree: Any, ocp: Any, expected: checksums
   opened = [ts.open(spec(name), read=True, context=context) for name in names]
   reads = []  # (name, path, saved shard, destination, tensorstore future)
   copies = []  # (saved-shard array, its index, destination view, the view's index)
-  for name, path, future, leaf, by_index in zip(names, paths, opened, layout.leaves, views):
+  for leaf_no, (name, path, future, leaf, by_index) in enumerate(
+    zip(names, paths, opened, layout.leaves, views)
+  ):
     store = _wait(future.result, name, item_dir)
     compat.check_leaf(name, store.shape, store.dtype.numpy_dtype, leaf.shape, leaf.dtype, item_dir)
     pieces: dict[shards_lib.Index, np.ndarray] = {}
     for slot in leaf.slots:
-      if not slot.nbytes:
+      if not slot.nbytes or (select is not None and not select(leaf_no, slot)):
         continue
       saved = expected.saved(path, slot.index)
       if len(saved) == 1 and saved[0].index == slot.index:  # read in place, checked there
@@ -115,8 +143,7 @@ def read(item_dir: epath.Path, abstract_tree: Any, ocp: Any, expected: checksums
   for piece, piece_index, target, target_index in copies:
     box = checksums.overlap(piece_index, target_index)
     target[_within(box, target_index)] = piece[_within(box, piece_index)]
-  arrays = [shards_lib.assemble(a, by_index) for a, by_index in zip(abstract, views)]
-  return jax.tree_util.tree_unflatten(treedef, arrays)
+  return layout, buffer
 
 
 def _read(ts: Any, store: Any, index: shards_lib.Index, target: np.ndarray) -> Any:

@@ -283,6 +283,24 @@ class PersistentTier:
     against `expected` (CorruptCheckpointError naming the leaf otherwise).
     Called by: every process (all alike: the multihost set-up behind
     `orbax_ready` is collective)."""
+    _, abstract, treedef = shards_lib.leaf_paths(abstract_tree)
+    layout, buffer = self.read_into(step, abstract_tree, expected)
+    arrays = [
+      shards_lib.assemble(a, {s.index: shards_lib.view(buffer, leaf, s) for s in leaf.slots})
+      for a, leaf in zip(abstract, layout.leaves)
+    ]
+    return jax.tree_util.tree_unflatten(treedef, arrays)
+
+  def read_into(
+    self,
+    step: int,
+    abstract_tree: Any,
+    expected: checksums.Expected,
+    select: Callable[[int, Any], bool] | None = None,
+  ) -> tuple[shards_lib.Layout, Any]:
+    """restore()'s checks and read, into (layout, host buffer) instead of
+    arrays; only the slots `select` accepts (persistent_read.read_into).
+    Called by: every process (as restore())."""
     if self._orbax_ready is not None:
       self._orbax_ready()
     ocp = _ocp()
@@ -300,7 +318,7 @@ class PersistentTier:
     try:
       with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ckptr:
         _check_matches(ckptr.metadata(path), abstract_tree, path)
-      return persistent_read.read(path, abstract_tree, ocp, expected)
+      return persistent_read.read_into(path, abstract_tree, ocp, expected, select)
     except StateMismatchError as e:
       what = str(e).split(" Pass the abstract_state")[0]
       raise CorruptCheckpointError(

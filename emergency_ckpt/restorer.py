@@ -26,7 +26,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from emergency_ckpt import peer, restore_plan
+from emergency_ckpt import peer, persistent_share, restore_plan
 from emergency_ckpt import shards as shards_lib
 from emergency_ckpt.errors import (
   CorruptCheckpointError,
@@ -37,6 +37,7 @@ from emergency_ckpt.errors import (
   StepNotRestorableError,
   TopologyMismatchError,
 )
+from emergency_ckpt.topology import peer_host
 
 logger = logging.getLogger("emergency_ckpt")
 
@@ -79,6 +80,7 @@ class Restorer:
     self._local = local
     self._persistent = persistent
     self._state = state
+    self._read_shared = False  # set per restore: may the slices split a persistent read?
 
   def restore(
     self,
@@ -122,6 +124,13 @@ class Restorer:
     topo = self._topology
     cands = restore_plan.candidates(job, step=step)
     peer_problem = peer.check_peer_compatible(paths, abstract, self._mesh, topo.replica_axis_name)
+    options = self._options
+    self._read_shared = (
+      options.persistent.shared_read
+      and options.peer.transport == "stream"
+      and topo.num_slices > 1
+      and not peer_problem
+    )
     tried: list[str] = []
     corrupt: list[str] = []  # persistent steps found damaged
     for cand in cands:
@@ -276,6 +285,21 @@ class Restorer:
       return jax.tree_util.tree_unflatten(treedef, arrays)
     count = self._state.saved_process_count(plan.step) or topo.process_count
     expected = self._state.expected_crcs(plan.step, count)
+    if self._read_shared:  # every slice reads the persistent tier: split it
+      arrays = persistent_share.read_shared(
+        plan.step,
+        abstract_state,
+        persistent=self._persistent,
+        expected=expected,
+        mesh=self._mesh,
+        topology=topo,
+        collectives=self._collectives,
+        host=peer_host(self._options.peer.host),
+        timeout_s=self._options.collective_timeout_s,
+        ports=self._options.peer.port_range,
+      )
+      if arrays is not None:
+        return jax.tree_util.tree_unflatten(treedef, arrays)
     return self._persistent.restore(plan.step, abstract_state, expected)
 
   def _run(self, plan, abstract_state, paths, abstract, treedef, local):

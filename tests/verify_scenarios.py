@@ -27,35 +27,43 @@ SPECS = {
 }
 
 
-def expected(step: int) -> dict[str, np.ndarray]:
+# 4 MiB in 6 leaves, for counting the bytes a restore reads from the bucket.
+BIG_SPECS = {
+  f"layer{i}": ((256, 512), np.float32 if i % 2 else jnp.bfloat16, P(None, "data"))
+  for i in range(6)
+}
+_SPECS = {"small": SPECS, "big": BIG_SPECS}
+
+
+def expected(step: int, specs: str = "small") -> dict[str, np.ndarray]:
   rng = np.random.default_rng(step)
   return {
     name: rng.integers(0, 2**16, size=shape).astype(np.uint32).astype(dtype)
     if name == "ids"
     else rng.standard_normal(shape).astype(dtype)
-    for name, (shape, dtype, _) in SPECS.items()
+    for name, (shape, dtype, _) in _SPECS[specs].items()
   }
 
 
-def make_state(mesh, step: int) -> dict[str, jax.Array]:
-  values = expected(step)
+def make_state(mesh, step: int, specs: str = "small") -> dict[str, jax.Array]:
+  values = expected(step, specs)
   return {
     name: jax.make_array_from_callback(
       shape, NamedSharding(mesh, spec), lambda idx, v=values[name]: v[idx]
     )
-    for name, (shape, _, spec) in SPECS.items()
+    for name, (shape, _, spec) in _SPECS[specs].items()
   }
 
 
-def abstract_state(mesh) -> dict[str, jax.ShapeDtypeStruct]:
+def abstract_state(mesh, specs: str = "small") -> dict[str, jax.ShapeDtypeStruct]:
   return {
     name: jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=NamedSharding(mesh, spec))
-    for name, (shape, dtype, spec) in SPECS.items()
+    for name, (shape, dtype, spec) in _SPECS[specs].items()
   }
 
 
-def mismatches(state: dict[str, jax.Array], step: int) -> list[str]:
-  want = expected(step)
+def mismatches(state: dict[str, jax.Array], step: int, specs: str = "small") -> list[str]:
+  want = expected(step, specs)
   return [
     f"{name}{s.index}"
     for name, arr in state.items()
@@ -70,9 +78,38 @@ def save(args: dict) -> list[int]:
   mesh = sc.mesh_for(args["slices"])
   with ec.CheckpointManager(sc.options(args), mesh=mesh) as mngr:
     for step in args["steps"]:
-      mngr.save(step, make_state(mesh, step), data_state=sc.data_state(step))
+      mngr.save(
+        step, make_state(mesh, step, args.get("specs", "small")), data_state=sc.data_state(step)
+      )
     mngr.wait_until_finished()
     return mngr.all_steps()
+
+
+def restore_once(args: dict) -> dict[str, Any]:
+  """With every ramdisk lost: one restore (persistent.shared_read as
+  args['shared_read']), step, source, mismatches and wall time."""
+  import dataclasses  # noqa: PLC0415
+  import time  # noqa: PLC0415
+
+  mesh = sc.mesh_for(args["slices"])
+  shutil.rmtree(sc.host_dir(args), ignore_errors=True)
+  opts = sc.options(args)
+  opts = dataclasses.replace(
+    opts, persistent=dataclasses.replace(opts.persistent, shared_read=args["shared_read"])
+  )
+  specs = args.get("specs", "small")
+  with ec.CheckpointManager(opts, mesh=mesh) as mngr:
+    barrier("ready")
+    t0 = time.monotonic()
+    r = mngr.restore(abstract_state(mesh, specs))
+    took = time.monotonic() - t0
+    return {
+      "step": r.step,
+      "source": r.source,
+      "bad": mismatches(r.state, r.step, specs),
+      "data_state_ok": r.data_state == sc.data_state(r.step),
+      "restore_s": took,
+    }
 
 
 def data_files(persistent: str, step: int) -> list[str]:

@@ -71,3 +71,42 @@ def plan_pulls(
       sender = int(mesh_devices[tuple(source)].process_index)
       out.setdefault(sender, []).append((leaf_no, slot))
   return out
+
+
+def plan_split(
+  layout: shards_lib.Layout,
+  mesh_devices: np.ndarray,
+  replica_axis_index: int,
+  num_slices: int,
+  my_slice: int,
+) -> tuple[set[tuple[int, shards_lib.Index]], dict[int, list[tuple[int, shards_lib.ShardSlot]]]]:
+  """A read split between the slices (every slice needs the same shards):
+  (the (leaf number, index) slots this process reads, {sender process:
+  [(leaf number, slot)]} of the rest). The slots, in layout order, are cut
+  into num_slices contiguous runs of about equal bytes (the same cut on every
+  process at the same mesh coordinates): contiguous, because tensorstore
+  coalesces nearby reads of one data file, gaps included, so interleaved
+  slots cost almost the whole file (measured: 1.76x the model read instead
+  of 1x on 2 slices). A slot is
+  pulled from the process at the same coordinates in its reading slice.
+  Pure: devices need only `.id` and `.process_index`."""
+  coords = {d.id: idx for idx, d in np.ndenumerate(mesh_devices)}
+  total = sum(slot.nbytes for leaf in layout.leaves for slot in leaf.slots)
+  done = 0
+  mine: set[tuple[int, shards_lib.Index]] = set()
+  pulls: dict[int, list[tuple[int, shards_lib.ShardSlot]]] = {}
+  for leaf_no, leaf in enumerate(layout.leaves):
+    for slot in leaf.slots:
+      if not slot.nbytes:
+        continue
+      # contiguous runs, by the slot's middle byte
+      reader = min(num_slices - 1, (2 * done + slot.nbytes) * num_slices // (2 * total))
+      done += slot.nbytes
+      if reader == my_slice:
+        mine.add((leaf_no, slot.index))
+        continue
+      source = list(coords[slot.devices[0].id])
+      source[replica_axis_index] = reader
+      sender = int(mesh_devices[tuple(source)].process_index)
+      pulls.setdefault(sender, []).append((leaf_no, slot))
+  return mine, pulls

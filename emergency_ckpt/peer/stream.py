@@ -260,11 +260,13 @@ def receive(
   *,
   step: int,
   timeout_s: float,
+  buffer: np.ndarray | None = None,
 ) -> np.ndarray:
   """This receiver's shards of `step` (`pulls`: routing.plan_pulls), pulled
   from every sender at once into one page-aligned buffer laid out as
-  `layout`."""
-  buffer = aligned_empty(layout.nbytes)
+  `layout` (`buffer`, if given, already holds the other slots)."""
+  if buffer is None:
+    buffer = aligned_empty(layout.nbytes)
   if not pulls:
     return buffer
   pool = concurrent.futures.ThreadPoolExecutor(len(pulls), "ec-peer-recv")

@@ -312,6 +312,7 @@ class _Conn:
             self.reset_client()
             return
           self.reset_after = limit - len(data)
+        self.proxy._count("bytes_down", len(data))  # what clients read, headers included
         self.send_client(data)
     except OSError:
       pass
@@ -411,7 +412,9 @@ class GcsProxy:
     self._rules: list[Rule] = []
     self._ids = itertools.count(1)
     self._conns: set[_Conn] = set()
-    self._counts = dict.fromkeys(("seen", "forwarded", "failed", "reset", "held", "delayed"), 0)
+    self._counts = dict.fromkeys(
+      ("seen", "forwarded", "failed", "reset", "held", "delayed", "bytes_down"), 0
+    )
     self.requests: list[dict[str, Any]] = []  # the newest 10000 requests seen
     self.port = 0
     self.url = ""
