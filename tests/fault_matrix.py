@@ -33,6 +33,8 @@ FAULT_TESTS = [
   "tests/test_faults_damage.py",
   "tests/test_faults_multislice.py",
   "tests/test_faults_api.py",
+  "tests/test_persistent_verify.py",
+  "tests/test_persistent_shared_read.py",
 ]
 BITFLIP_TEST = "tests/test_local_tier.py::test_random_bit_flips_are_never_silent"
 
@@ -223,6 +225,29 @@ SCENARIOS: list[Scenario] = [
     "local.bit_flip_trial",
     "1000 random single-bit flips in a saved step (manifest or shards), one per trial",
     "0 silent corruptions: every flip is detected or hits unused padding",
+  ),
+  # ---- persistent tier damaged (every ramdisk lost; persistent steps 3 and 6) ----
+  _s(
+    "persistent.bit_flip_trial",
+    "100 random single-bit flips in step 6's data files, one per restore (2 slices x 1"
+    " process, each reading half: the shared read)",
+    "0 loaded: each restore returns step 6 bit-exactly or skips it for step 3, bit-exactly",
+  ),
+  _s(
+    "persistent.damaged_newest",
+    "16 bytes flipped in the middle of every data file of step 6",
+    "step 6 skipped on every process; step 3 restored from the persistent tier, bit-exact",
+  ),
+  _s(
+    "persistent.damaged_all",
+    "as above, and 16 bytes flipped in step 3's tensor data",
+    "CorruptCheckpointError on every process, naming the leaf that failed its CRC32C",
+  ),
+  _s(
+    "persistent.shared_read_wire",
+    "shared read of step 2 (2 slices x 2 processes, GCS): process 0 flips one bit on the wire",
+    "the receiver's check fails it; every process reads its own shards from the bucket;"
+    " step 2 restored bit-exactly everywhere",
   ),
   # ---- cross-slice transfer (2 slices x 2 processes, slice 1's ramdisks wiped) ----
   _s(

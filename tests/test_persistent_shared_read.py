@@ -30,7 +30,9 @@ def _restore(args, proxy, shared: bool, env=None) -> tuple[list[dict], int, list
   return results, proxy.stats()["bytes_down"] - before, job.logs
 
 
-def test_every_slice_reading_persistent_reads_the_model_once(gcs_proxy, gcs_bucket, shm_dir):
+def test_every_slice_reading_persistent_reads_the_model_once(
+  gcs_proxy, gcs_bucket, shm_dir, fault_matrix
+):
   args = {
     "slices": 2,
     "local_root": os.path.join(shm_dir, "local"),
@@ -48,7 +50,13 @@ def test_every_slice_reading_persistent_reads_the_model_once(gcs_proxy, gcs_buck
   # fails, and every process reads all its own shards from the bucket.
   wire = {0: {"EC_FAILPOINTS": "peer.corrupt_send@2"}}
   fallback, fallback_bytes, logs = _restore(args, gcs_proxy, True, wire)
-  assert any("shared read of persistent step 2 failed" in log for log in logs), logs[0][-3000:]
+  fell_back = any("shared read of persistent step 2 failed" in log for log in logs)
+  fault_matrix.check(
+    "persistent.shared_read_wire",
+    f"fell back: {fell_back}; results: {[(r['step'], r['source'], r['bad']) for r in fallback]};"
+    f" {fallback_bytes} bytes read (model {MODEL})",
+    fell_back and all((r["step"], r["bad"]) == (2, []) for r in fallback),
+  )
   assert "fails its checksum on arrival" in "".join(logs)
   assert fallback_bytes >= 2 * MODEL, fallback_bytes
   for results in (shared, each, fallback):

@@ -17,7 +17,7 @@ from emergency_ckpt.testing.launcher import run_job
 FLIPS = 100
 
 
-def test_random_bit_flips_in_persistent_data_are_never_loaded(shm_dir, capsys):
+def test_random_bit_flips_in_persistent_data_are_never_loaded(shm_dir, capsys, fault_matrix):
   args = {
     "slices": 2,
     "local_root": os.path.join(shm_dir, "local"),
@@ -35,6 +35,29 @@ def test_random_bit_flips_in_persistent_data_are_never_loaded(shm_dir, capsys):
   # would hold nothing the reads could reuse anyway: each read opens fresh).
   job = run_job("tests.verify_scenarios:flips", 2, args, timeout_s=600)
   results = job.check()
+  flips = results[0]["flips"]
+  count = {s: sum(1 for f in flips if f.get("step") == s) for s in (3, 6)}
+  loaded = sum(1 for r in results for f in r["flips"] if f.get("bad"))
+  plain = sum(1 for f in flips if f["plain_wrong"])
+  fault_matrix.check(
+    "persistent.bit_flip_trial",
+    f"{len(flips)} flips: {count[3]} detected (step 6 skipped for step 3, bit-exact),"
+    f" {count[6]} harmless (step 6 bit-exact), {loaded} loaded; Orbax's own reader returned"
+    f" wrong values without an error for {plain}",
+    loaded == 0 and count[3] + count[6] == len(flips),
+  )
+  issue = [r["issue_case"] for r in results]
+  fault_matrix.check(
+    "persistent.damaged_newest",
+    f"every process: {issue[0]}",
+    all(i == {"step": 3, "source": "persistent", "bad": []} for i in issue),
+  )
+  errs = [r["all_damaged"] for r in results]
+  fault_matrix.check(
+    "persistent.damaged_all",
+    f"every process: {errs[0].get('error')}: {errs[0].get('message', '')[:160]}...",
+    all(e.get("error") == "CorruptCheckpointError" and "CRC32C" in e["message"] for e in errs),
+  )
   for proc, r in enumerate(results):
     assert r["files"] >= 1, r
     assert r["clean"] == {"step": 6, "source": "persistent", "bad": []}, (proc, r["clean"])
