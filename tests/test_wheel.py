@@ -20,8 +20,6 @@ import sys
 import sysconfig
 import zipfile
 
-import setuptools
-
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHIPPED = (
   "emergency_ckpt/__init__.py",
@@ -44,7 +42,12 @@ def _run(cmd: list[str], cwd: str, env: dict, timeout: float) -> subprocess.Comp
 
 
 def _can_build_offline() -> bool:
-  """setuptools builds wheels itself from 70.1 on; before, it needs `wheel`."""
+  """setuptools builds wheels itself from 70.1 on; before, it needs `wheel`.
+  Python 3.12's venvs hold no setuptools at all: pip then builds in isolation."""
+  try:
+    import setuptools  # noqa: PLC0415
+  except ImportError:
+    return False
   major, minor = (int(x) for x in setuptools.__version__.split(".")[:2])
   return (major, minor) >= (70, 1) or importlib.util.find_spec("wheel") is not None
 
