@@ -225,11 +225,16 @@ class Expected:
     if wanted:
       self._crcs.update(self._fetch(wanted))
 
+  def recorded(self, path: str, shard: SavedShard) -> int | None:
+    """The CRC32C recorded for a saved shard (fetching its recorder's JSON
+    if not read yet), or None if none was recorded."""
+    self.prefetch([shard])
+    return self._crcs.get(shard.process, {}).get(path, {}).get(shard.index)
+
   def check(self, path: str, shard: SavedShard, data: np.ndarray) -> None:
     """CorruptCheckpointError naming the leaf unless `data` (the whole saved
     shard, C-contiguous) has the recorded CRC32C."""
-    self.prefetch([shard])
-    recorded = self._crcs.get(shard.process, {}).get(path, {}).get(shard.index)
+    recorded = self.recorded(path, shard)
     if recorded is None:
       raise CorruptCheckpointError(
         f"no CRC32C recorded for leaf {path} shard {list(shard.index)} of persistent step"

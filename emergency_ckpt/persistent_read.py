@@ -70,10 +70,15 @@ def read_into(
   ocp: Any,
   expected: checksums.Expected,
   select: Callable[[int, shards_lib.ShardSlot], bool] | None = None,
+  *,
+  buffer: np.ndarray | None = None,
+  on_ready: Callable[[int, shards_lib.Index], None] | None = None,
 ) -> tuple[shards_lib.Layout, np.ndarray]:
   """(this process's layout, a page-aligned buffer laid out so) with every
   slot read and checked as read() does, or only the slots (leaf number,
-  slot) that `select` accepts (the rest left unwritten)."""
+  slot) that `select` accepts (the rest left unwritten). `buffer`: write
+  there (layout.nbytes) instead of a new one; `on_ready(leaf number,
+  index)`: called as each slot is read and checked, before the others."""
   import tensorstore as ts  # noqa: PLC0415 - heavy import, only when used
 
   paths, abstract, _ = shards_lib.leaf_paths(abstract_tree)
@@ -108,14 +113,15 @@ def read_into(
     return out
 
   layout = shards_lib.layout_for(paths, abstract)
-  buffer = aligned_empty(layout.nbytes)
+  if buffer is None:
+    buffer = aligned_empty(layout.nbytes)
   views = [
     {slot.index: shards_lib.view(buffer, leaf, slot) for slot in leaf.slots}
     for leaf in layout.leaves
   ]
   opened = [ts.open(spec(name), read=True, context=context) for name in names]
-  reads = []  # (name, path, saved shard, destination, tensorstore future)
-  copies = []  # (saved-shard array, its index, destination view, the view's index)
+  reads = []  # (name, path, saved shard, destination, future, (leaf no, index) if in place)
+  copies = []  # (saved-shard array, its index, destination view, (leaf no, the view's index))
   for leaf_no, (name, path, future, leaf, by_index) in enumerate(
     zip(names, paths, opened, layout.leaves, views)
   ):
@@ -128,21 +134,29 @@ def read_into(
       saved = expected.saved(path, slot.index)
       if len(saved) == 1 and saved[0].index == slot.index:  # read in place, checked there
         target = by_index[slot.index]
-        reads.append((name, path, saved[0], target, _read(ts, store, slot.index, target)))
+        future = _read(ts, store, slot.index, target)
+        reads.append((name, path, saved[0], target, future, (leaf_no, slot.index)))
         continue
       for shard in saved:  # another sharding: whole saved shards, checked, then cut
         if shard.index not in pieces:
           piece = np.empty(shards_lib.shard_shape(shard.index), leaf.dtype)
           pieces[shard.index] = piece
-          reads.append((name, path, shard, piece, _read(ts, store, shard.index, piece)))
-        copies.append((pieces[shard.index], shard.index, by_index[slot.index], slot.index))
-  expected.prefetch(shard for _, _, shard, _, _ in reads)  # while tensorstore reads
-  for name, path, shard, target, read_done in reads:
+          reads.append((name, path, shard, piece, _read(ts, store, shard.index, piece), None))
+        copies.append(
+          (pieces[shard.index], shard.index, by_index[slot.index], (leaf_no, slot.index))
+        )
+  expected.prefetch(r[2] for r in reads)  # while tensorstore reads
+  for name, path, shard, target, read_done, key in reads:
     _wait(read_done.result, name, item_dir)
     expected.check(path, shard, target)
-  for piece, piece_index, target, target_index in copies:
+    if key is not None and on_ready is not None:
+      on_ready(*key)
+  for piece, piece_index, target, (_, target_index) in copies:
     box = checksums.overlap(piece_index, target_index)
     target[_within(box, target_index)] = piece[_within(box, piece_index)]
+  if on_ready is not None:
+    for key in dict.fromkeys(c[3] for c in copies):
+      on_ready(*key)
   return layout, buffer
 
 

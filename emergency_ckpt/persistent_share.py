@@ -10,8 +10,12 @@ CRC32C checked on arrival), and pulls the rest from the processes at its
 mesh coordinates in the other slices: the model leaves the bucket once per
 restore, and the slices read their parts side by side.
 
-Not yet pipelined: a process serves once its own part is read and checked
-(a shard is not forwarded the moment it lands).
+Pipelined: a process serves while it reads. Its server starts before the
+read, each shard gated on its own read and check, with the CRC32C recorded
+at save as the shard's checksum (receivers check arrivals against the very
+value the bytes were saved with), so a shard leaves as soon as it landed
+and passed. Onto another sharding (a slot that is not a saved shard, so no
+recorded checksum of its own) a process serves once its part is read.
 
 Agreement: one sparse exchange of failures after the bytes. A damaged shard
 on any process raises CorruptCheckpointError on every process (the restorer
@@ -29,6 +33,7 @@ gather_sparse.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -45,15 +50,22 @@ from emergency_ckpt.errors import (
 )
 from emergency_ckpt.local_format import LocalStep
 from emergency_ckpt.peer import routing, stream
+from emergency_ckpt.staging import aligned_empty
 
 logger = logging.getLogger("emergency_ckpt")
 
 
 def _served(
-  step: int, layout: shards_lib.Layout, paths: Sequence[str], buffer: np.ndarray, mine: set
+  step: int,
+  layout: shards_lib.Layout,
+  paths: Sequence[str],
+  buffer: np.ndarray,
+  mine: set,
+  crcs: dict | None = None,
 ) -> LocalStep:
-  """The slots this process read (and checked), as stream.Server serves a
-  local step: views of `buffer`, each with the CRC32C of its bytes."""
+  """The slots this process reads, as stream.Server serves a local step:
+  views of `buffer`, each with its CRC32C: `crcs[(leaf number, index)]`
+  (recorded at save: the bytes may not be there yet), else summed now."""
   leaves, arrays = [], []
   for leaf_no, (path, leaf) in enumerate(zip(paths, layout.leaves)):
     records, by_index = [], {}
@@ -65,13 +77,55 @@ def _served(
         {
           "index": [list(b) for b in slot.index],
           "nbytes": slot.nbytes,
-          "crc32c": crc32c.crc32c(raw),
+          "crc32c": crcs[(leaf_no, slot.index)] if crcs else crc32c.crc32c(raw),
         }
       )
       by_index[slot.index] = shards_lib.view(buffer, leaf, slot)
     leaves.append({"path": path, "shards": records})
     arrays.append(by_index)
   return LocalStep(step, {"leaves": leaves}, arrays)
+
+
+def _recorded(expected, layout: shards_lib.Layout, paths: Sequence[str], mine: set) -> dict | None:
+  """{(leaf number, index): CRC32C recorded at save} of this process's
+  slots, or None unless each is exactly a saved shard with a recorded CRC."""
+  slots = [
+    (leaf_no, path, slot)
+    for leaf_no, (path, leaf) in enumerate(zip(paths, layout.leaves))
+    for slot in leaf.slots
+    if (leaf_no, slot.index) in mine
+  ]
+  try:
+    saved = [expected.saved(path, slot.index) for _, path, slot in slots]
+    if any(len(s) != 1 or s[0].index != slot.index for s, (_, _, slot) in zip(saved, slots)):
+      return None
+    expected.prefetch(s[0] for s in saved)
+    out = {
+      (n, slot.index): expected.recorded(path, s[0]) for s, (n, path, slot) in zip(saved, slots)
+    }
+  except CorruptCheckpointError:
+    return None  # the read itself raises it, through the agreement below
+  return None if any(v is None for v in out.values()) else out
+
+
+def _run(fn) -> BaseException | None:
+  """fn()'s exception, or None. StateMismatchError propagates: every
+  process finds the same, before any exchange."""
+  try:
+    fn()
+  except StateMismatchError:
+    raise
+  except Exception as e:  # noqa: BLE001 - reported to every process
+    return e
+  return None
+
+
+def _failure(me: int, e: BaseException | None) -> dict | None:
+  if e is None:
+    return None
+  if isinstance(e, CorruptCheckpointError):
+    return {"corrupt": True, "error": f"process {me}: {e}"}
+  return {"corrupt": False, "error": f"process {me} ({type(e).__name__}): {e}"}
 
 
 def read_shared(
@@ -103,18 +157,33 @@ def read_shared(
     topology.slice_index,
   )
   me = topology.process_index
+  select = lambda n, slot: (n, slot.index) in mine  # noqa: E731
+  crcs = _recorded(expected, layout, paths, mine)  # None: not every slot is a saved shard
+  buffer = aligned_empty(layout.nbytes)
+  gates = {key: concurrent.futures.Future() for key in mine} if crcs is not None else {}
+
+  def read() -> None:
+    def ready(leaf_no: int, index: Any) -> None:
+      gates[(leaf_no, index)].set_result(True)
+
+    try:
+      persistent.read_into(
+        step, abstract_tree, expected, select, buffer=buffer, on_ready=ready if gates else None
+      )
+    except BaseException as e:
+      for gate in gates.values():
+        if not gate.done():
+          gate.set_exception(e)
+      raise
+
   failure: dict | None = None
-  buffer = None
-  try:
-    _, buffer = persistent.read_into(
-      step, abstract_tree, expected, select=lambda n, slot: (n, slot.index) in mine
-    )
-  except StateMismatchError:
-    raise  # the caller's tree: every process finds the same, before any exchange
-  except CorruptCheckpointError as e:
-    failure = {"corrupt": True, "error": f"process {me}: {e}"}
-  except Exception as e:  # noqa: BLE001 - reported to every process below
-    failure = {"corrupt": False, "error": f"process {me} ({type(e).__name__}): {e}"}
+  reading = None
+  if gates:  # pipelined: serve while reading
+    pool = concurrent.futures.ThreadPoolExecutor(1, "ec-shared-read")
+    reading = pool.submit(read)
+    pool.shutdown(wait=False)  # the thread ends with the read
+  else:
+    failure = _failure(me, _run(read))
   server, offer = None, None
   if failure is not None:
     offer = {"error": failure["error"]}
@@ -124,11 +193,12 @@ def read_shared(
         raise OSError("no address: set peer.host (see PeerOptions)")
       server = stream.Server(
         host,
-        _served(step, layout, paths, buffer, mine),
+        _served(step, layout, paths, buffer, mine, crcs),
         paths,
         timeout_s=timeout_s,
         log_prefix=topology.log_prefix(),
         ports=ports,
+        ready=gates,
       )
       offer = server.offer()
     except OSError as e:
@@ -146,6 +216,9 @@ def read_shared(
         stream.receive(offers, layout, paths, pulls, step=step, timeout_s=timeout_s, buffer=buffer)
       except (OSError, PeerTransferError) as e:  # a shard damaged on the wire too
         failure = {"corrupt": False, "error": f"process {me} ({type(e).__name__}): {e}"}
+    if reading is not None:  # my own part, read while I pulled the rest
+      own = _failure(me, _run(reading.result))
+      failure = own if own is not None and (failure is None or own["corrupt"]) else failure
     outcome = collectives.gather_sparse(f"persistent_shared_{step}", failure)
   finally:
     if server is not None:

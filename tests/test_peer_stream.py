@@ -282,3 +282,61 @@ def test_a_full_peer_ports_range_names_the_option():
   low = _free_port_run(1)
   with _held(low), pytest.raises(OSError, match=f"no free port in peer.ports {low}-{low}"):
     peer_stream.Server("127.0.0.1", local, paths, timeout_s=10, log_prefix="[t]", ports=(low, low))
+
+
+def test_a_gated_shard_is_sent_once_ready_and_a_failed_one_never():
+  """persistent_share serves shards still being read: each waits for its
+  gate; the receiver has nothing before it opens, and a failed read drops
+  the connection instead of sending unchecked bytes."""
+  import concurrent.futures  # noqa: PLC0415
+  import threading  # noqa: PLC0415
+
+  local, paths, arrays = _local()
+  keys = [(n, index) for n, by_index in enumerate(arrays) for index in by_index]
+  gates = {key: concurrent.futures.Future() for key in keys}
+  server = peer_stream.Server(
+    "127.0.0.1", local, paths, timeout_s=10, log_prefix="[test]", ready=gates
+  )
+  try:
+    items, nbytes = _items(arrays)
+    buffer = np.zeros(nbytes, np.uint8)
+    done = threading.Event()
+    errors = []
+
+    def pull():
+      try:
+        peer_stream.pull(server.offer(), 0, 7, items, paths, buffer, timeout_s=10)
+      except Exception as e:  # noqa: BLE001
+        errors.append(e)
+      done.set()
+
+    threading.Thread(target=pull, daemon=True).start()
+    assert not done.wait(0.5) and not buffer.any()  # nothing sent while gated
+    for gate in gates.values():
+      gate.set_result(True)
+    assert done.wait(10) and not errors, errors
+    want = np.concatenate([arr.view(np.uint8) for by in arrays for arr in by.values()])
+    assert buffer.tobytes() == want.tobytes()
+  finally:
+    server.close()
+  gates = {key: concurrent.futures.Future() for key in keys}
+  gates[keys[0]].set_exception(CorruptCheckpointError("read failed its CRC32C"))
+  server = peer_stream.Server(
+    "127.0.0.1", local, paths, timeout_s=10, log_prefix="[test]", ready=gates
+  )
+  try:
+    with pytest.raises((ConnectionError, OSError)):
+      peer_stream.pull(server.offer(), 0, 7, items, paths, np.zeros(nbytes, np.uint8), timeout_s=10)
+  finally:
+    server.close()
+
+
+def test_plan_split_cuts_contiguous_runs_of_equal_bytes():
+  mesh = _mesh(2, 2, 2)  # 2 slices of one process with 2 devices
+  layout = _layout(mesh, 0, 4)  # 8 slots of 64 bytes
+  mine0, pulls0 = routing.plan_split(layout, mesh, 0, 2, 0)
+  mine1, pulls1 = routing.plan_split(_layout(mesh, 1, 4), mesh, 0, 2, 1)
+  order = [(n, s.index) for n, leaf in enumerate(layout.leaves) for s in leaf.slots]
+  assert sorted(mine0) == sorted(order[:4]) and sorted(mine1) == sorted(order[4:])
+  assert list(pulls0) == [1] and list(pulls1) == [0]  # from the counterpart
+  assert [(n, s.index) for n, s in pulls0[1]] == order[4:]

@@ -46,7 +46,7 @@ import secrets
 import socket
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -110,7 +110,13 @@ class Server:
     timeout_s: float,
     log_prefix: str,
     ports: tuple[int, int] | None = None,
+    ready: Mapping[tuple[int, tuple], concurrent.futures.Future] | None = None,
   ):
+    """`ready`: {(leaf number, index): future} of shards still being
+    written into `local`'s buffer: each is sent once its future is done
+    (a failed one drops the connection), so serving starts before they
+    all exist (persistent_share's pipelined read)."""
+    self._ready = dict(ready or {})
     self._timeout_s = timeout_s
     self._prefix = log_prefix
     self._step = local.step
@@ -160,10 +166,12 @@ class Server:
         if failpoints.armed("peer.refuse", self._step):
           return  # a test: the sender drops the connection
         request = _recv_json(conn)
-        reply, views = self._answer(request)
+        reply, views, gates = self._answer(request)
         _send_json(conn, reply)
         corrupt = failpoints.armed("peer.corrupt_send", self._step)
-        for raw in views:
+        for raw, gate in zip(views, gates):
+          if gate is not None:
+            gate.result(timeout=self._timeout_s)  # raises if its read failed: drop
           if corrupt:  # a test: one flipped bit on the wire
             raw = raw.copy()
             raw[len(raw) // 2] ^= 1
@@ -171,19 +179,28 @@ class Server:
           conn.sendall(memoryview(raw))
       except (OSError, ValueError, TypeError, KeyError, IndexError) as e:  # a malformed request too
         logger.warning("%s peer transfer: a send failed: %s", self._prefix, e)
+      except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError) as e:
+        logger.warning("%s peer transfer: a shard never became ready: %r", self._prefix, e)
+      except Exception as e:  # noqa: BLE001 - a gate's read failed: the receiver sees a drop
+        logger.warning(
+          "%s peer transfer: not sending a shard whose read failed: %s", self._prefix, e
+        )
 
-  def _answer(self, request: Any) -> tuple[dict, list[np.ndarray]]:
+  def _answer(self, request: Any) -> tuple[dict, list[np.ndarray], list]:
     if not isinstance(request, dict) or request.get("step") != self._step:
-      return {"error": f"this process serves step {self._step}, not {request.get('step')!r}"}, []
-    records, views = [], []
+      error = f"this process serves step {self._step}, not {request.get('step')!r}"
+      return {"error": error}, [], []
+    records, views, gates = [], [], []
     for leaf_no, path, index in request.get("shards", []):
-      got = self._shards.get((leaf_no, _index_key(index)))
+      key = (leaf_no, _index_key(index))
+      got = self._shards.get(key)
       if got is None or self._paths[leaf_no] != path:
-        return {"error": f"no shard {index} of leaf {path} here"}, []
+        return {"error": f"no shard {index} of leaf {path} here"}, [], []
       raw, record = got
       records.append({k: v for k, v in record.items() if k in ("nbytes", "crc32c", "crc32")})
       views.append(raw)
-    return {"shards": records}, views
+      gates.append(self._ready.get(key))
+    return {"shards": records}, views, gates
 
   def close(self) -> None:
     self._stop.set()
