@@ -328,9 +328,9 @@ class Restorer:
       )
     if failures:
       first = min(failures)
-      raise _Damaged(
-        f"persistent step {plan.step} is damaged (process {first}: {failures[first]['error']})"
-      )
+      error = failures[first]["error"]
+      where = "" if error.startswith("process ") else f"process {first}: "
+      raise _Damaged(f"persistent step {plan.step} is damaged ({where}{error})")
     return state
 
 
