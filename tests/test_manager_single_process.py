@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 
@@ -226,3 +227,29 @@ def test_back_to_back_saves_never_wait_out_the_staging_window(options, mesh, mon
     mngr.wait_until_finished()
     assert mngr.latest_step() == 8
   assert waits and all(w < t for w, t in waits), waits
+
+
+@pytest.mark.parametrize("inline", [False, True], ids=["snapshot-upload", "orbax-inline"])
+def test_a_persistent_only_step_records_its_shard_checksums(options, mesh, inline):
+  """A persistent step with no local write still stages a snapshot: the
+  shard CRC32Cs are summed from it (on accelerators Orbax is called inline,
+  `inline` forces that path here), recorded before COMMIT, and the restore
+  from the persistent tier checks every shard against them."""
+  options = dataclasses.replace(
+    options, local=dataclasses.replace(options.local, save_interval_steps=3)
+  )
+  sharding = NamedSharding(mesh, P("data"))
+  x = jax.device_put(jnp.arange(1 << 16, dtype=jnp.float32) * 0.5, sharding)
+  with ec.CheckpointManager(options, mesh=mesh) as mngr:
+    mngr._saves._upload_snapshots = not inline  # noqa: SLF001 - the accelerator path
+    assert mngr.save(4, {"w": x})  # persistent only (4 % 3 != 0)
+    mngr.wait_until_finished()
+  state_dir = os.path.join(options.persistent.directory, "state", "4")
+  assert sorted(os.listdir(state_dir)) == ["COMMIT", "SHARDS", "process_0-of-1.json"]
+  with open(os.path.join(state_dir, "process_0-of-1.json")) as f:
+    assert len(json.load(f)["shard_crc32c"]["['w']"]) == len(jax.devices())
+  abstract = {"w": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)}
+  with ec.CheckpointManager(options, mesh=mesh) as mngr:
+    r = mngr.restore(abstract)
+  assert (r.step, r.source) == (4, "persistent")
+  assert np.asarray(r.state["w"]).tobytes() == np.asarray(x).tobytes()
