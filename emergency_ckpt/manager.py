@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -37,7 +38,12 @@ from emergency_ckpt.restorer import Restorer, RestoreResult
 from emergency_ckpt.retainer import Retainer
 from emergency_ckpt.saving import SavePipeline
 from emergency_ckpt.staging import StagingArea
-from emergency_ckpt.state_store import StateStore, decode_data_state, encode_data_state
+from emergency_ckpt.state_store import (
+  SavedDataStates,
+  StateStore,
+  decode_data_state,
+  encode_data_state,
+)
 from emergency_ckpt.telemetry import EventLog
 from emergency_ckpt.topology import (
   Collectives,
@@ -293,11 +299,25 @@ class CheckpointManager:
     return steps[-1] if steps else None
 
   def restore(
-    self, abstract_state: Any, step: int | None = None, *, data_state: Any = None
+    self,
+    abstract_state: Any,
+    step: int | None = None,
+    *,
+    data_state: Any = None,
+    data_state_remap: Callable[[Mapping[int, Any], int, int], Any] | None = None,
   ) -> RestoreResult:
     """Restores the newest restorable step (or `step`) onto abstract_state's
     shardings. If `data_state` is an object with set_state() (the iterator
     whose get_state() was saved), its state is set too.
+
+    `data_state_remap(saved, process_index, process_count)`: called when the
+    restored step was saved by another process count (else each process
+    gets its own saved state and this is not called); returns this
+    process's data state (what get_state() would return). `saved` maps
+    every saved process index to its data state, each read from the state
+    store and verified when first accessed (a remap that needs a few reads
+    only those; a damaged file raises CorruptCheckpointError). Without it,
+    data_state is None after such a restore.
 
     Called by: every process. Blocks on: one inventory exchange, reading this
     process's local copy, one status exchange per tried step, and then either
@@ -318,6 +338,11 @@ class CheckpointManager:
     out = self._restorer.restore(abstract_state, self._inventory.exchange("restore"), step, t0)
     self._last_step = out.step
     saved = decode_data_state(out.data_state)
+    if data_state_remap is not None:
+      count = self._state.saved_process_count(out.step)
+      if count is not None and count != self._topology.process_count:
+        states = SavedDataStates(self._state, out.step, count)
+        saved = data_state_remap(states, self._topology.process_index, self._topology.process_count)
     if target is not None and saved is not None:
       target.set_state(saved)
     return RestoreResult(out.step, out.state, saved, out.source)

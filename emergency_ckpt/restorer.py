@@ -242,8 +242,9 @@ class Restorer:
         # Per-process iterator positions cannot be mapped onto another
         # process count: the tensors restore (resharded), data_state is None.
         logger.warning(
-          "%s step %d was saved by %d processes, this job has %d: data_state is None;"
-          " re-initialise the data pipeline for the new topology.",
+          "%s step %d was saved by %d processes, this job has %d: data_state is None"
+          " unless restore(data_state_remap=...) maps the saved states onto this job;"
+          " else re-initialise the data pipeline for the new topology.",
           topo.log_prefix(),
           cand.step,
           saved_count,

@@ -27,7 +27,7 @@ import logging
 import math
 import time
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from etils import epath
@@ -393,3 +393,27 @@ class StateStore:
     self._known_commits.pop(step, None)
     storage.unlink(d / layout.COMMIT_FILE)
     storage.rmtree(d)
+
+
+class SavedDataStates(Mapping):
+  """{saved process index: its data state (decoded)} of one committed step,
+  each file read and verified when first accessed (then kept): what
+  CheckpointManager.restore's data_state_remap receives. Read-only."""
+
+  def __init__(self, store: StateStore, step: int, count: int):
+    self._store, self._step, self._count = store, step, count
+    self._read: dict[int, Any] = {}
+
+  def __getitem__(self, process: int) -> Any:
+    if not isinstance(process, int) or not 0 <= process < self._count:
+      raise KeyError(process)
+    if process not in self._read:
+      stored = self._store.read(self._step, process=process, count=self._count)
+      self._read[process] = decode_data_state(stored)
+    return self._read[process]
+
+  def __iter__(self):
+    return iter(range(self._count))
+
+  def __len__(self) -> int:
+    return self._count

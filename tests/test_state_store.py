@@ -350,3 +350,25 @@ def test_commit_records_are_read_once_and_forgotten_when_deleted(tmp_path, monke
   assert primary.committed_steps() == [3, 4] and len(reads) == 4
   save_step(tmp_path, 2)  # saved again after a restore to step 1: read anew
   assert primary.committed_steps() == [2, 3, 4] and len(reads) == 5
+
+
+def test_saved_data_states_read_each_file_when_first_accessed(tmp_path, monkeypatch):
+  from emergency_ckpt.errors import CorruptCheckpointError  # noqa: PLC0415
+  from emergency_ckpt.state_store import SavedDataStates, StateStore  # noqa: PLC0415
+
+  for p in range(3):
+    StateStore(str(tmp_path), process_index=p, process_count=3).write(5, {"pos": 10 + p})
+  store = StateStore(str(tmp_path), process_index=0, process_count=4)  # a new count
+  reads = []
+  original = store.read
+  monkeypatch.setattr(
+    store, "read", lambda *a, **k: reads.append(k["process"]) or original(*a, **k)
+  )
+  states = SavedDataStates(store, 5, 3)
+  assert len(states) == 3 and list(states) == [0, 1, 2] and reads == []
+  assert states[2] == {"pos": 12} and states[2] == {"pos": 12} and reads == [2]  # once
+  assert 3 not in states and "x" not in states
+  path = tmp_path / "5" / "process_1-of-3.json"
+  path.write_bytes(path.read_bytes()[:-5])  # torn
+  with pytest.raises(CorruptCheckpointError, match="process_1-of-3"):
+    states[1]
