@@ -6,6 +6,7 @@ Local root (a host's `local.directory`; each process reads only its own folder):
   <root>/<run_id>/process_<i>/.tmp-step_<N>-<hex>/     a save in progress
   <root>/<run_id>/process_<i>/.tmp-spare-<hex>/        a retired step's shards.bin, reused
   <root>/<run_id>/process_<i>/.tmp-delete-<name>-<hex>/  a deletion in progress
+  <root>/<run_id>/process_<i>/.owner                  flock()ed by the process using the folder
 
 Persistent root (gs:// or any shared path):
   <root>/run.json                                   run id, topology, save intervals
@@ -62,6 +63,9 @@ TMP_PREFIX = ".tmp-"
 TMP_STEP_PREFIX = ".tmp-step_"
 SPARE_PREFIX = ".tmp-spare-"
 DELETING_LOCAL_PREFIX = ".tmp-delete-"
+OWNER_FILE = ".owner"
+"""In a process folder: flock()ed by the process using it, so another process
+on the host never takes a live folder's copies as its own (local_tier)."""
 
 
 def process_dir_name(process_index: int) -> str:
@@ -171,6 +175,8 @@ def _scan_process(proc_dir: str) -> tuple[dict[int, str], dict[int, str], list[s
       unmarked[step] = path
     elif is_tmp_name(name):
       tmp.append(path)
+    elif name == OWNER_FILE:
+      continue
     else:
       strays.append(path)
   return steps, unmarked, tmp, strays

@@ -51,6 +51,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import fcntl
 import logging
 import os
 import shutil
@@ -61,6 +62,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from emergency_ckpt import failpoints, layout, local_format, local_read
+from emergency_ckpt import topology as topology_lib
 from emergency_ckpt.background import Background
 from emergency_ckpt.errors import (
   CorruptCheckpointError,
@@ -149,6 +151,7 @@ class LocalTier:
     self._spares: list[str] = []  # .tmp-spare-* folders, each holding a retired shards.bin
     self._max_spares = options.staging_buffers  # one per write that may run at once
     self._mapped: set[tuple[int, int]] = set()  # (st_dev, st_ino) of files read() mapped
+    self._sources: dict[int, str] = {}  # step -> the folder usable_steps() found it in
     self._closed = False
     # Orbax's checkpointer API over this folder alone (local_handler.py),
     # opened on first use: loading Orbax is off the restore path.
@@ -156,6 +159,7 @@ class LocalTier:
     self._checkpointer: LocalCheckpointer | None = None
     self._open_lock = threading.Lock()
     self._cleanup_tmp()
+    self._owner = _own(self.directory, topology.log_prefix())
 
   def open(self) -> LocalCheckpointer:
     """The tier's Orbax checkpointer, created on first use (after
@@ -193,24 +197,91 @@ class LocalTier:
       return None
 
   def usable_steps(self) -> tuple[list[int], dict[int, str]]:
-    """(steps whose manifest is valid and matches this job, {step: why not})."""
-    good, bad = [], {}
-    fingerprint = self._topology.fingerprint()
-    for step in self.steps():
-      try:
-        body = self.manifest(step)
-      except (OSError, CorruptCheckpointError) as e:
-        bad[step] = str(e)
-        continue
-      if body["topology"] != fingerprint or body["run_id"] != self._run_id:
-        bad[step] = (
-          f"saved with topology {body['topology']}, this job has {fingerprint};"
-          " a local copy only serves the topology that wrote it: restore this"
-          " step from the persistent tier"
+    """(steps this process can read from this host's ramdisk, {step: why
+    not}). A copy is found by what it holds, not by who wrote it: this
+    process's own folder first, then the folders other processes of this
+    run left on this host (a host that ran another process before a
+    restart: shuffled hosts, fewer or more slices). A copy serves this
+    process if it was written with the same slice shape (mesh without the
+    replica axis, processes per slice) at the same slice position: the
+    state is replicated over the replica axis, so it holds the same shards
+    (checked again, shard by shard, when read). Remembers where each
+    step's copy is for read()."""
+    good, bad, sources = [], {}, {}
+    mine = (topology_lib.slice_shape(self._topology.fingerprint()), self._topology.slice_position)
+    folders = [self.directory] + self._other_folders()
+    for folder in folders:
+      for step in layout.list_local_steps(folder):
+        if step in sources:
+          continue
+        where = layout.local_step_dir(folder, step)
+        try:
+          body = local_format.read_manifest(where)
+        except (OSError, CorruptCheckpointError) as e:
+          if folder == self.directory:
+            bad[step] = str(e)
+          continue
+        fp = body.get("topology") or {}
+        theirs = (
+          topology_lib.slice_shape(fp),
+          topology_lib.slice_position_of(fp, body.get("process_index")),
         )
-        continue
-      good.append(step)
-    return good, bad
+        if theirs != mine or body.get("run_id") != self._run_id:
+          if folder == self.directory:
+            bad[step] = (
+              f"saved with topology {fp} as process {body.get('process_index')} of run"
+              f" {body.get('run_id')!r}; this job has {self._topology.fingerprint()}"
+              f" (run {self._run_id!r}): another run, slice shape or slice position"
+              " holds other shards than this process needs: restore this step from a"
+              " peer or the persistent tier"
+            )
+          continue
+        sources[step] = where
+        bad.pop(step, None)
+        good.append(step)
+    self._sources = sources
+    adopted = {
+      step for step, where in sources.items() if not where.startswith(self.directory + os.sep)
+    }
+    if adopted:
+      logger.info(
+        "%s local steps %s found in other processes' folders on this host (a restart"
+        " onto other hosts or another slice count)",
+        self._topology.log_prefix(),
+        sorted(adopted),
+      )
+    return sorted(good), bad
+
+  def _other_folders(self) -> list[str]:
+    """The other `process_<i>` folders of this run on this host (real
+    folders only, never links)."""
+    run = os.path.dirname(self.directory)
+    try:
+      names = os.listdir(run)
+    except OSError:
+      return []
+    out = []
+    for name in sorted(names):
+      path = os.path.join(run, name)
+      if (
+        layout.process_of_dir_name(name) is not None
+        and path != self.directory
+        and not os.path.islink(path)
+        and os.path.isdir(path)
+        and not _owned(path)
+      ):
+        out.append(path)
+    return out
+
+  def held_steps(self) -> list[int]:
+    """This process's own steps and those usable_steps() found in other
+    processes' folders on this host: what retention manages."""
+    return sorted(set(self.steps()) | set(self.adopted_steps()))
+
+  def adopted_steps(self) -> dict[int, str]:
+    """{step: folder} of the copies usable_steps() found in other processes'
+    folders (deleted by apply_retention like this process's own)."""
+    return {s: w for s, w in self._sources.items() if not w.startswith(self.directory + os.sep)}
 
   def _cleanup_tmp(self) -> None:
     """Removes what a crashed incarnation left: saves in progress, spares and
@@ -307,7 +378,7 @@ class LocalTier:
     OSError (files absent), TopologyMismatchError (needed shards absent) or
     StateMismatchError (tree/shape/dtype differ).
     """
-    where = self.step_dir(step)
+    where = self._sources.get(step, self.step_dir(step))
 
     def mapped(st: os.stat_result) -> None:
       with self._spare_lock:
@@ -321,11 +392,13 @@ class LocalTier:
 
   # ---- delete --------------------------------------------------------------
   def delete(self, step: int, *, recycle: bool = False) -> None:
-    """Deletes one of this process's steps (renamed away first). With
+    """Deletes one of this process's steps (renamed away first), or else the
+    copy of it usable_steps() found in another process's folder. With
     `recycle`, its shards.bin is kept as a spare for a later save to write
     into, unless this process mapped it (read()) or enough spares exist."""
     doomed = layout.rename_out_of_namespace(self.step_dir(step))
     if doomed is None:
+      self._drop_adopted(step)
       return
     if recycle and self._keep_as_spare(doomed):
       return
@@ -358,17 +431,27 @@ class LocalTier:
     return True
 
   def apply_retention(self, keep: set[int], among: Sequence[int] | None = None) -> list[int]:
-    """Deletes committed steps not in `keep`, considering only `among` (the
-    listing `keep` was computed from: a step written since is never touched)
-    or, if None, a fresh listing; their files become spares for later saves.
-    Returns the deleted steps."""
-    doomed = [s for s in (self.steps() if among is None else among) if s not in keep]
+    """Deletes held steps (held_steps()) not in `keep`, considering only
+    `among` (the listing `keep` was computed from: a step written since is
+    never touched) or, if None, a fresh listing; this process's own files
+    become spares for later saves. Returns the deleted steps."""
+    doomed = [s for s in (self.held_steps() if among is None else among) if s not in keep]
     for s in doomed:
-      self.delete(s, recycle=True)
+      self.delete(s, recycle=True)  # own, else a copy another process left here
     return doomed
 
+  def _drop_adopted(self, step: int) -> None:
+    """Deletes the copy of `step` usable_steps() found in another process's
+    folder, if any (renamed away first)."""
+    where = self.adopted_steps().get(step)
+    self._sources.pop(step, None)
+    if where is not None and not _owned(os.path.dirname(where)):  # never a live folder's
+      gone = layout.rename_out_of_namespace(where)
+      if gone is not None:
+        layout.remove_renamed(gone)
+
   def close(self) -> None:
-    """Waits for writes, then removes the spares."""
+    """Waits for writes, then removes the spares and lets go of the folder."""
     self.wait()
     with self._open_lock:
       if self._checkpointer is not None:
@@ -378,8 +461,46 @@ class LocalTier:
       spares, self._spares = self._spares, []
     for spare in spares:
       shutil.rmtree(spare, ignore_errors=True)
+    if self._owner is not None:
+      os.close(self._owner)  # releases the folder (flock)
+      self._owner = None
     if self._own_background:
       self._background.close()
+
+
+def _own(folder: str, log_prefix: str) -> int | None:
+  """Takes this process's folder: an exclusive flock() on its owner file,
+  held until close (the kernel drops it if the process dies). None (with a
+  warning) if another live manager holds it."""
+  fd = os.open(
+    os.path.join(folder, layout.OWNER_FILE), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600
+  )
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except OSError:
+    os.close(fd)
+    logger.warning(
+      "%s %s is in use by another live manager on this host (same run_id and process index?)",
+      log_prefix,
+      folder,
+    )
+    return None
+  return fd
+
+
+def _owned(folder: str) -> bool:
+  """True if a live process holds `folder` (its owner file is flock()ed)."""
+  try:
+    fd = os.open(os.path.join(folder, layout.OWNER_FILE), os.O_RDONLY | os.O_NOFOLLOW)
+  except OSError:
+    return False  # none: no manager of this version has used it since boot
+  try:
+    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+  except OSError:
+    return True
+  finally:
+    os.close(fd)  # closing drops the probe's own lock
+  return False
 
 
 def _handler() -> Any:

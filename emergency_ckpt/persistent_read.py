@@ -100,7 +100,11 @@ def read_into(
 
   def spec(name: str) -> dict:
     info = ocp.type_handlers.ParamInfo(
-      name=name, parent_dir=item_dir, is_ocdbt_checkpoint=use_ocdbt, use_zarr3=use_zarr3
+      name=name,
+      parent_dir=item_dir,
+      is_ocdbt_checkpoint=use_ocdbt,
+      use_zarr3=use_zarr3,
+      ts_context=context,  # one context (and OCDBT cache) for every leaf
     )
     out = ocp.type_handlers.get_json_tspec_read(
       info, use_ocdbt=use_ocdbt, raise_array_data_missing_error=missing_is_error

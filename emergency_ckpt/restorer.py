@@ -213,7 +213,7 @@ class Restorer:
     a crashed run left of unrestorable newer steps (a local copy, a JSON
     without COMMIT) must not mix with the new saves. Restorable steps are
     kept. Ends with a barrier, so no new save starts before the cleanup."""
-    for step in self._local.steps():
+    for step in self._local.held_steps():
       if step > restored and step not in restorable:
         self._local.delete(step)
     if self._topology.is_primary_process:

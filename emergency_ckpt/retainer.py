@@ -74,8 +74,9 @@ class Retainer:
   # ---- the tiers ---------------------------------------------------------------
   def local(self) -> None:
     """Deletes this process's local steps the rules drop (their files become
-    spares for later saves)."""
-    steps = self._local.steps()
+    spares for later saves), and the copies found in other processes'
+    folders on this host by the same rules (a restart onto other hosts)."""
+    steps = self._local.held_steps()
     plan = retention.local_plan(
       steps,
       self._options.retention("local"),
@@ -137,7 +138,7 @@ class Retainer:
 
   def over_budget(self) -> bool:
     """More local steps than max_to_keep: a new commit may free one."""
-    return len(self._local.steps()) > self._options.local.max_to_keep
+    return len(self._local.held_steps()) > self._options.local.max_to_keep
 
   def local_soon(self) -> None:
     """Queues a local retention pass (nothing once closing)."""

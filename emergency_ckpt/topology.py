@@ -77,6 +77,35 @@ class Topology:
   def log_prefix(self) -> str:
     return f"[process={self.process_index}][slice={self.slice_index}]"
 
+  @property
+  def slice_position(self) -> int:
+    """This process's place among its slice's processes (0 = the first)."""
+    return list(self.slice_processes[self.slice_index]).index(self.process_index)
+
+
+def slice_shape(fingerprint: dict[str, Any]) -> tuple | None:
+  """What one slice of a topology looks like (the mesh without its replica
+  axis, the processes per slice), or None if the fingerprint is malformed.
+  Two topologies with the same slice shape place the same shards on the
+  process at the same slice position, whatever the slice count or the
+  process indices: a local copy written by one serves the other."""
+  try:
+    names = list(fingerprint["mesh_axis_names"])
+    replica = names.index(fingerprint["replica_axis"])
+    shape = [int(d) for i, d in enumerate(fingerprint["mesh_shape"]) if i != replica]
+    per_slice = sorted({len(p) for p in fingerprint["slice_processes"]})
+    return (tuple(shape), tuple(n for i, n in enumerate(names) if i != replica), tuple(per_slice))
+  except (KeyError, TypeError, ValueError):
+    return None
+
+
+def slice_position_of(fingerprint: dict[str, Any], process: int) -> int | None:
+  """The slice position of `process` in a topology's fingerprint, or None."""
+  for procs in fingerprint.get("slice_processes", []):
+    if process in procs:
+      return list(procs).index(process)
+  return None
+
 
 def resolve_replica_axis(mesh: jax.sharding.Mesh, replica_axis: str | int) -> int:
   names = tuple(mesh.axis_names)

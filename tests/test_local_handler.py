@@ -275,7 +275,7 @@ def test_a_recycled_spare_is_written_in_place(tier, state):
   )
   tier.save(3, other)
   assert os.stat(os.path.join(tier.tier.step_dir(3), local_format.SHARDS)).st_ino == inode
-  assert sorted(os.listdir(tier.tier.directory)) == ["step_2", "step_3"]
+  assert sorted(os.listdir(tier.tier.directory)) == [".owner", "step_2", "step_3"]
   paths, abstract, _ = shards_lib.leaf_paths(abstract_of(state))
   assert bits_equal(assemble(abstract_of(state), tier.tier.read(3, paths, abstract)), other)
   assert local_format.verify_step_dir(tier.tier.step_dir(3))[1] == []
@@ -310,7 +310,7 @@ def test_a_failed_save_leaves_no_temporary_folder(tier, state, monkeypatch):
   monkeypatch.setattr(os, "pwrite", full)
   result = tier.tier.write_async(tier.stage(1, state)).result()
   assert not result.ok and "No space left" in result.error
-  assert os.listdir(tier.tier.directory) == []
+  assert os.listdir(tier.tier.directory) == [".owner"]  # the folder's lock (local_tier)
   monkeypatch.setattr(os, "pwrite", real)
   tier.save(2, state)
   assert tier.tier.steps() == [2]
@@ -384,7 +384,7 @@ def test_crash_leftovers_are_removed_at_start_up_and_never_listed(shm_dir, topo,
 
   t2 = Tier(os.path.join(shm_dir, "local"), topo)
   try:
-    assert sorted(os.listdir(d)) == ["step_2"]
+    assert sorted(os.listdir(d)) == [".owner", "step_2"]
     assert t2.tier.steps() == [2]
     t2.save(3, state)
     assert t2.tier.steps() == [2, 3]

@@ -271,7 +271,7 @@ def test_leftover_tmp_dirs_removed_on_construction(shm_dir, topo, state):
   t2 = make_tier(shm_dir + "/x", topo)
   try:
     assert not any(os.path.exists(p) for p in leftovers)
-    assert sorted(os.listdir(t2.directory)) == ["step_2"]
+    assert sorted(os.listdir(t2.directory)) == [".owner", "step_2"]  # the owner lock stays
     assert t2.steps() == [2]
     assert same_bits(restore(t2, 2, abstract_of(state)), state)
   finally:
@@ -291,9 +291,16 @@ def _set_run_id(body):
   body["run_id"] = "another-run"
 
 
-@pytest.mark.parametrize(
-  "edit", [_set_topology, _set_process_count, _set_run_id], ids=["mesh", "slices", "run_id"]
-)
+def test_usable_steps_accepts_a_copy_from_another_slice_count(tier, state):
+  """A copy written as process 0 of a 2-slice job holds what process 0 of
+  this 1-slice job needs (same mesh inside a slice, same slice position)."""
+  save(tier, 1, state)
+  edit_manifest(tier, 1, _set_process_count)
+  assert tier.usable_steps() == ([1], {})
+  assert same_bits(restore(tier, 1, abstract_of(state)), state)
+
+
+@pytest.mark.parametrize("edit", [_set_topology, _set_run_id], ids=["mesh", "run_id"])
 def test_usable_steps_rejects_foreign_manifest(tier, state, edit):
   save(tier, 1, state)
   save(tier, 2, state)
@@ -462,7 +469,9 @@ def test_apply_retention(tier, state):
     save(tier, step, state)
   assert tier.apply_retention({20, 40, 99}) == [10, 30]
   assert tier.steps() == [20, 40]
-  left = sorted(n for n in os.listdir(tier.directory) if not n.startswith(".tmp-spare-"))
+  left = sorted(
+    n for n in os.listdir(tier.directory) if not n.startswith(".tmp-spare-") and n != ".owner"
+  )
   assert left == ["step_20", "step_40"]  # no .tmp-delete left (.tmp-spare-: a retired file)
   assert tier.apply_retention({20, 40}) == []
   assert tier.apply_retention(set()) == [20, 40]
@@ -813,7 +822,7 @@ def test_an_explicit_delete_frees_the_file(tier, state):
   """delete() (the user's, not retention's) gives the ramdisk space back."""
   save(tier, 1, state)
   tier.delete(1)
-  assert os.listdir(tier.directory) == []
+  assert os.listdir(tier.directory) == [".owner"]
 
 
 def test_prepare_preallocates_the_staging_buffer_faulted_in(tier, mesh):
@@ -877,7 +886,7 @@ def test_a_failed_write_lists_nothing_and_frees_its_buffer(tier, state, monkeypa
   staged = staging_of(tier).stage(1, paths, leaves)
   result = tier.write_async(staged).result()
   assert not result.ok and "No space left" in result.error
-  assert os.listdir(tier.directory) == []
+  assert os.listdir(tier.directory) == [".owner"]
   staged2 = staging_of(tier).stage(2, paths, leaves)
   assert staged2.buffer is staged.buffer
   assert tier.write_async(staged2).result().ok

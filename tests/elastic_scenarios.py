@@ -1,0 +1,38 @@
+"""Job functions for test_elastic_restart (run by run_job): restarts onto
+shuffled hosts, fewer slices and more slices."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+
+import emergency_ckpt as ec
+from tests import scenarios as sc
+
+
+def restore_then_save(args: dict) -> dict[str, Any]:
+  """Restores the newest step, then saves args['then_save'] (the run goes on
+  under the new topology) and lists this host's run folder."""
+  mesh = sc.mesh_for(args["slices"])
+  with ec.CheckpointManager(sc.options(args), mesh=mesh) as mngr:
+    r = mngr.restore(sc.abstract_state(mesh))
+    out = {
+      "step": r.step,
+      "source": r.source,
+      "slice": mngr.topology.slice_index,
+      "bad": sc.mismatches(r.state, r.step),
+      "data_state": r.data_state,
+    }
+    for step in args.get("then_save", ()):
+      mngr.save(step, sc.make_state(mesh, step), data_state=sc.data_state(step))
+    mngr.wait_until_finished()
+    out["all_steps"] = mngr.all_steps()
+  run = os.path.join(sc.host_dir(args), args.get("run_id", "test-run"))
+  out["host_folders"] = {
+    name: sorted(n for n in os.listdir(os.path.join(run, name)) if n.startswith("step_"))
+    for name in sorted(os.listdir(run))
+  }
+  out["process"] = jax.process_index()
+  return out
