@@ -57,10 +57,7 @@ def read(item_dir: epath.Path, abstract_tree: Any, ocp: Any, expected: checksums
   CorruptCheckpointError naming the leaf on a mismatch."""
   _, abstract, treedef = shards_lib.leaf_paths(abstract_tree)
   layout, buffer = read_into(item_dir, abstract_tree, ocp, expected)
-  arrays = [
-    shards_lib.assemble(a, {s.index: shards_lib.view(buffer, leaf, s) for s in leaf.slots})
-    for a, leaf in zip(abstract, layout.leaves)
-  ]
+  arrays = shards_lib.assemble_buffer(abstract, layout, buffer)
   return jax.tree_util.tree_unflatten(treedef, arrays)
 
 

@@ -235,7 +235,4 @@ def read_shared(
       "; ".join(f["error"] for _, f in sorted(outcome.items())),
     )
     return None
-  return [
-    shards_lib.assemble(a, {s.index: shards_lib.view(buffer, leaf, s) for s in leaf.slots})
-    for a, leaf in zip(abstract, layout.leaves)
-  ]
+  return shards_lib.assemble_buffer(abstract, layout, buffer)

@@ -285,10 +285,7 @@ class PersistentTier:
     `orbax_ready` is collective)."""
     _, abstract, treedef = shards_lib.leaf_paths(abstract_tree)
     layout, buffer = self.read_into(step, abstract_tree, expected)
-    arrays = [
-      shards_lib.assemble(a, {s.index: shards_lib.view(buffer, leaf, s) for s in leaf.slots})
-      for a, leaf in zip(abstract, layout.leaves)
-    ]
+    arrays = shards_lib.assemble_buffer(abstract, layout, buffer)
     return jax.tree_util.tree_unflatten(treedef, arrays)
 
   def read_into(

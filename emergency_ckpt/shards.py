@@ -143,3 +143,12 @@ def assemble(abstract, arrays_by_index: dict[Index, np.ndarray]) -> jax.Array:
   # mapped local file then costs no copy at all); elsewhere this is the H2D.
   placed = jax.device_put(pieces, devices, may_alias=True)
   return jax.make_array_from_single_device_arrays(shape, sharding, placed)
+
+
+def assemble_buffer(abstract: Sequence[Any], layout: Layout, buffer: np.ndarray) -> list[jax.Array]:
+  """A global jax.Array per leaf of `abstract` from a host buffer laid out
+  as `layout` (layout_for of the same leaves)."""
+  return [
+    assemble(a, {slot.index: view(buffer, leaf, slot) for slot in leaf.slots})
+    for a, leaf in zip(abstract, layout.leaves)
+  ]

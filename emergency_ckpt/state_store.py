@@ -129,8 +129,30 @@ def _concurrently(fn: Callable[[Any], Any], items: Iterable[Any]) -> list[Any]:
     return list(pool.map(fn, items))
 
 
-def _canonical(data_state: Any) -> bytes:
-  return json.dumps(data_state, sort_keys=True, separators=(",", ":")).encode()
+_canonical = checksums.canonical  # the bytes a file's CRC32 covers
+
+
+def _read_verified(path: epath.Path, step: int, key: str, crc_key: str) -> Any:
+  """doc[key] of the state file at `path`, checked against its CRC32 in
+  doc[crc_key] (and its format and step). CorruptCheckpointError if the file
+  is missing, torn or edited; StorageError if the bucket is unreachable."""
+  try:
+    doc = json.loads(storage.read_bytes(path))
+    value = doc[key]
+    ok = (
+      doc.get("format") == FORMAT
+      and doc.get("step") == step
+      and zlib.crc32(_canonical(value)) == doc.get(crc_key)
+    )
+  except FileNotFoundError:
+    raise CorruptCheckpointError(f"{path} is missing") from None
+  except StorageError:
+    raise
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    raise CorruptCheckpointError(f"{path} is unreadable ({type(e).__name__}: {e})") from None
+  if not ok:
+    raise CorruptCheckpointError(f"{path} fails its checksum (torn or edited)")
+  return value
 
 
 class StateStore:
@@ -163,7 +185,7 @@ class StateStore:
     }
     if shard_crc32c is not None:
       doc["shard_crc32c"] = shard_crc32c
-      doc["shard_crc32c_crc32"] = zlib.crc32(checksums.canonical(shard_crc32c))
+      doc["shard_crc32c_crc32"] = zlib.crc32(_canonical(shard_crc32c))
     storage.write_bytes(d / layout.state_file_name(self._me, self._n), json.dumps(doc).encode())
 
   def write_shard_table(self, step: int, table: dict) -> None:
@@ -200,20 +222,7 @@ class StateStore:
 
   def _shard_crcs(self, step: int, process: int, count: int) -> dict:
     path = self.step_dir(step) / layout.state_file_name(process, count)
-    try:
-      doc = json.loads(storage.read_bytes(path))
-      raw = doc["shard_crc32c"]
-      ok = doc.get("step") == step and zlib.crc32(checksums.canonical(raw)) == doc.get(
-        "shard_crc32c_crc32"
-      )
-    except FileNotFoundError:
-      raise CorruptCheckpointError(f"{path} is missing") from None
-    except StorageError:
-      raise
-    except (OSError, ValueError, KeyError, TypeError) as e:
-      raise CorruptCheckpointError(f"{path}: no readable shard checksums ({e})") from None
-    if not ok:
-      raise CorruptCheckpointError(f"{path}: its shard checksums fail their CRC32 (torn or edited)")
+    raw = _read_verified(path, step, "shard_crc32c", "shard_crc32c_crc32")
     return checksums.parse_crcs(raw, path)
 
   def missing(self, step: int, count: int | None = None) -> list[int]:
@@ -369,23 +378,7 @@ class StateStore:
     process = self._me if process is None else process
     count = self._n if count is None else count
     path = self.step_dir(step) / layout.state_file_name(process, count)
-    try:
-      doc = json.loads(storage.read_bytes(path))
-      data_state = doc["data_state"]
-      ok = (
-        doc.get("format") == FORMAT
-        and doc.get("step") == step
-        and zlib.crc32(_canonical(data_state)) == doc["crc32"]
-      )
-    except FileNotFoundError:
-      raise CorruptCheckpointError(f"{path} is missing") from None
-    except StorageError:
-      raise
-    except (OSError, ValueError, KeyError, TypeError) as e:
-      raise CorruptCheckpointError(f"{path} is unreadable ({e})") from None
-    if not ok:
-      raise CorruptCheckpointError(f"{path} fails its checksum (torn or edited)")
-    return data_state
+    return _read_verified(path, step, "data_state", "crc32")
 
   def delete(self, step: int) -> None:
     """Removes a step's state, COMMIT first. Called by: the primary process."""

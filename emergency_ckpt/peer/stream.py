@@ -354,10 +354,7 @@ def transfer(
     if topology.slice_index in lost and error is None:
       try:
         buffer = receive(offers, layout, paths, pulls, step=step, timeout_s=timeout_s)
-        arrays = [
-          shards_lib.assemble(a, {s.index: shards_lib.view(buffer, leaf, s) for s in leaf.slots})
-          for a, leaf in zip(abstract, layout.leaves)
-        ]
+        arrays = shards_lib.assemble_buffer(abstract, layout, buffer)
       except (OSError, PeerTransferError) as e:  # CorruptCheckpointError is an OSError
         error = f"process {me} ({type(e).__name__}): {e}"
         logger.warning("%s peer transfer of step %d failed: %s", topology.log_prefix(), step, e)
