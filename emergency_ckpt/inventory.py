@@ -61,6 +61,10 @@ class Inventory:
   def exchange(self, name: str) -> restore_plan.JobInventory:
     """The job's inventory, summarised. Called by: every process."""
     topo = self._topology
+    if not self._placement_checked:
+      # First: it also tells the local tier which processes share this
+      # machine, whose folders are live (never taken as copies).
+      self._check_placement()
     local, rejected = self._local.usable_steps()
     inv = restore_plan.Inventory(
       process=topo.process_index,
@@ -70,10 +74,7 @@ class Inventory:
       persistent_steps=tuple(self._persistent.steps()) if topo.is_primary_process else None,
       state_steps=tuple(self._state.committed_steps()) if topo.is_primary_process else None,
     )
-    job = gather(self._collectives, inv, name)
-    if not self._placement_checked:
-      self._check_placement()
-    return job
+    return gather(self._collectives, inv, name)
 
   def _check_placement(self) -> None:
     """Once per manager: does any machine run processes of two slices? The
@@ -84,6 +85,7 @@ class Inventory:
     if topo.num_slices == 1:
       return
     mine = self._collectives.group_by("placement_hosts", self._host, topo.slice_index)
+    self._local.set_colocated(mine)
     report = None
     if len(set(mine.values())) > 1 and topo.process_index == min(mine):
       report = {"host": self._host, "processes": sorted(mine)}

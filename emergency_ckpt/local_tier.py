@@ -152,6 +152,7 @@ class LocalTier:
     self._max_spares = options.staging_buffers  # one per write that may run at once
     self._mapped: set[tuple[int, int]] = set()  # (st_dev, st_ino) of files read() mapped
     self._sources: dict[int, str] = {}  # step -> the folder usable_steps() found it in
+    self._colocated: set[int] = set()  # this job's processes on this machine (set_colocated)
     self._closed = False
     # Orbax's checkpointer API over this folder alone (local_handler.py),
     # opened on first use: loading Orbax is off the restore path.
@@ -268,10 +269,17 @@ class LocalTier:
         and path != self.directory
         and not os.path.islink(path)
         and os.path.isdir(path)
+        and layout.process_of_dir_name(name) not in self._colocated
         and not _owned(path)
       ):
         out.append(path)
     return out
+
+  def set_colocated(self, processes) -> None:
+    """The processes of this job on this machine (the placement check's
+    group): their folders are live, never taken as copies, even before
+    their managers hold them."""
+    self._colocated = {int(p) for p in processes}
 
   def held_steps(self) -> list[int]:
     """This process's own steps and those usable_steps() found in other

@@ -3,6 +3,7 @@ shuffled hosts, fewer slices and more slices."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -16,7 +17,10 @@ def restore_then_save(args: dict) -> dict[str, Any]:
   """Restores the newest step, then saves args['then_save'] (the run goes on
   under the new topology) and lists this host's run folder."""
   mesh = sc.mesh_for(args["slices"])
-  with ec.CheckpointManager(sc.options(args), mesh=mesh) as mngr:
+  # Each process a host of its own (these jobs share one machine, whose
+  # boot id would make every folder a live co-located one, never taken).
+  options = dataclasses.replace(sc.options(args), host_id=f"sim-host-{jax.process_index()}")
+  with ec.CheckpointManager(options, mesh=mesh) as mngr:
     r = mngr.restore(sc.abstract_state(mesh))
     out = {
       "step": r.step,

@@ -10,6 +10,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import dataclasses  # noqa: E402
+import fcntl  # noqa: E402
 import json  # noqa: E402
 import mmap  # noqa: E402
 import random  # noqa: E402
@@ -971,3 +972,33 @@ def test_a_save_during_prepare_takes_the_prepared_buffer(tier, mesh, monkeypatch
     len(staging_of(tier)._pool._free) == 1
     and staging_of(tier)._pool._free[0] is got["staged"].buffer
   )
+
+
+def test_a_copy_left_by_another_process_is_taken_unless_that_process_is_live(tier, state):
+  """A host that ran process 1 of a 2-slice job (slice 1, position 0) now
+  runs process 0 of a 1-slice job: process 1's folder holds what it needs.
+  Not taken while process 1 is a live process of this machine: named by the
+  placement check (set_colocated) or holding the folder's .owner lock."""
+  save(tier, 3, state)
+  edit_manifest(
+    tier, 3, lambda b: b.update(process_index=1, slice_index=1) or _set_process_count(b)
+  )
+  foreign = os.path.join(os.path.dirname(tier.directory), "process_1")
+  os.makedirs(foreign)
+  os.rename(tier.step_dir(3), os.path.join(foreign, "step_3"))
+  assert tier.steps() == []
+  tier.set_colocated({0, 1})
+  assert tier.usable_steps() == ([], {})  # process 1 runs here: its folder is live
+  tier.set_colocated({0})
+  assert tier.usable_steps() == ([3], {})
+  assert same_bits(restore(tier, 3, abstract_of(state)), state)
+  assert tier.held_steps() == [3] and tier.steps() == []
+  fd = os.open(os.path.join(foreign, ".owner"), os.O_RDWR | os.O_CREAT, 0o600)
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX)  # a live manager holds it
+    assert tier.usable_steps() == ([], {})
+  finally:
+    os.close(fd)
+  assert tier.usable_steps() == ([3], {})
+  assert tier.apply_retention(set()) == [3]  # retention treats it as this process's own
+  assert os.listdir(foreign) == [".owner"] and tier.held_steps() == []
