@@ -65,7 +65,7 @@ SPARE_PREFIX = ".tmp-spare-"
 DELETING_LOCAL_PREFIX = ".tmp-delete-"
 OWNER_FILE = ".owner"
 """In a process folder: flock()ed by the process using it, so another process
-on the host never takes a live folder's copies as its own (local_tier)."""
+on the host never takes a live folder's copies as its own (local_owner)."""
 
 
 def process_dir_name(process_index: int) -> str:

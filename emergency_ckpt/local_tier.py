@@ -51,7 +51,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
-import fcntl
 import logging
 import os
 import shutil
@@ -61,7 +60,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from emergency_ckpt import failpoints, layout, local_format, local_read
+from emergency_ckpt import failpoints, layout, local_format, local_owner, local_read
 from emergency_ckpt import topology as topology_lib
 from emergency_ckpt.background import Background
 from emergency_ckpt.errors import (
@@ -160,7 +159,7 @@ class LocalTier:
     self._checkpointer: LocalCheckpointer | None = None
     self._open_lock = threading.Lock()
     self._cleanup_tmp()
-    self._owner = _own(self.directory, topology.log_prefix())
+    self._owner = local_owner.take(self.directory, topology.log_prefix())
 
   def open(self) -> LocalCheckpointer:
     """The tier's Orbax checkpointer, created on first use (after
@@ -241,9 +240,7 @@ class LocalTier:
         bad.pop(step, None)
         good.append(step)
     self._sources = sources
-    adopted = {
-      step for step, where in sources.items() if not where.startswith(self.directory + os.sep)
-    }
+    adopted = self.adopted_steps()
     if adopted:
       logger.info(
         "%s local steps %s found in other processes' folders on this host (a restart"
@@ -270,7 +267,7 @@ class LocalTier:
         and not os.path.islink(path)
         and os.path.isdir(path)
         and layout.process_of_dir_name(name) not in self._colocated
-        and not _owned(path)
+        and not local_owner.held(path)
       ):
         out.append(path)
     return out
@@ -453,7 +450,7 @@ class LocalTier:
     folder, if any (renamed away first)."""
     where = self.adopted_steps().get(step)
     self._sources.pop(step, None)
-    if where is not None and not _owned(os.path.dirname(where)):  # never a live folder's
+    if where is not None and not local_owner.held(os.path.dirname(where)):  # never a live folder's
       gone = layout.rename_out_of_namespace(where)
       if gone is not None:
         layout.remove_renamed(gone)
@@ -469,46 +466,10 @@ class LocalTier:
       spares, self._spares = self._spares, []
     for spare in spares:
       shutil.rmtree(spare, ignore_errors=True)
-    if self._owner is not None:
-      os.close(self._owner)  # releases the folder (flock)
-      self._owner = None
+    local_owner.release(self._owner)
+    self._owner = None
     if self._own_background:
       self._background.close()
-
-
-def _own(folder: str, log_prefix: str) -> int | None:
-  """Takes this process's folder: an exclusive flock() on its owner file,
-  held until close (the kernel drops it if the process dies). None (with a
-  warning) if another live manager holds it."""
-  fd = os.open(
-    os.path.join(folder, layout.OWNER_FILE), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600
-  )
-  try:
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-  except OSError:
-    os.close(fd)
-    logger.warning(
-      "%s %s is in use by another live manager on this host (same run_id and process index?)",
-      log_prefix,
-      folder,
-    )
-    return None
-  return fd
-
-
-def _owned(folder: str) -> bool:
-  """True if a live process holds `folder` (its owner file is flock()ed)."""
-  try:
-    fd = os.open(os.path.join(folder, layout.OWNER_FILE), os.O_RDONLY | os.O_NOFOLLOW)
-  except OSError:
-    return False  # none: no manager of this version has used it since boot
-  try:
-    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-  except OSError:
-    return True
-  finally:
-    os.close(fd)  # closing drops the probe's own lock
-  return False
 
 
 def _handler() -> Any:
