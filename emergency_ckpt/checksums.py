@@ -79,6 +79,18 @@ def snapshot_crcs(layout: Any, buffer: np.ndarray) -> dict[str, list]:
   return out
 
 
+def manifest_crcs(body: dict) -> dict[str, list] | None:
+  """snapshot_crcs' result from a local step's manifest (the local write
+  summed the same bytes of the same snapshot), or None if a shard lacks a
+  CRC32C."""
+  out = {}
+  for leaf in body["leaves"]:
+    if any("crc32c" not in s for s in leaf["shards"]):
+      return None
+    out[leaf["path"]] = [[s["index"], s["crc32c"]] for s in leaf["shards"]]
+  return out
+
+
 @functools.lru_cache(maxsize=256)
 def _writers(shape: tuple[int, ...], sharding: Any, primary: frozenset[int]) -> tuple:
   """((index, process), ...) of one leaf: each shard index of the global

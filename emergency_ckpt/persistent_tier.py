@@ -294,11 +294,12 @@ class PersistentTier:
     abstract_tree: Any,
     expected: checksums.Expected,
     select: Callable[[int, Any], bool] | None = None,
-    **kw: Any,
+    *,
+    buffer: Any = None,
+    on_ready: Callable[[int, Any], None] | None = None,
   ) -> tuple[shards_lib.Layout, Any]:
     """restore()'s checks and read, into (layout, host buffer) instead of
-    arrays; only the slots `select` accepts; `kw`: read_into's `buffer` and
-    `on_ready` (persistent_read.read_into).
+    arrays; `select`, `buffer`, `on_ready`: as persistent_read.read_into.
     Called by: every process (as restore())."""
     if self._orbax_ready is not None:
       self._orbax_ready()
@@ -317,7 +318,9 @@ class PersistentTier:
     try:
       with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ckptr:
         _check_matches(ckptr.metadata(path), abstract_tree, path)
-      return persistent_read.read_into(path, abstract_tree, ocp, expected, select, **kw)
+      return persistent_read.read_into(
+        path, abstract_tree, ocp, expected, select, buffer=buffer, on_ready=on_ready
+      )
     except StateMismatchError as e:
       what = str(e).split(" Pass the abstract_state")[0]
       raise CorruptCheckpointError(

@@ -132,9 +132,9 @@ class Restorer:
       and not peer_problem
     )
     tried: list[str] = []
-    corrupt: list[str] = []  # persistent steps found damaged
+    damaged = False  # a persistent step was found damaged
     for cand in cands:
-      status, local, data_state = self._try_load(cand, paths, abstract)
+      status, local, data_state, saved_count = self._try_load(cand, paths, abstract)
       got = self._collectives.gather_sparse(
         f"restore_status_{cand.step}", None if status.is_ok else status.to_json()
       )
@@ -152,36 +152,33 @@ class Restorer:
         )
         tried.append(f"step {cand.step}: {why}")
         continue
+      run = (abstract_state, paths, abstract, treedef, local, saved_count)
       try:
-        state = self._run(plan, abstract_state, paths, abstract, treedef, local)
-      except PeerTransferError as e:  # raised on every process alike
-        plan = restore_plan.decide(
-          _without_peer(cand, topo.num_slices), statuses, topo.slice_processes
-        )
-        logger.warning(
-          "%s %s; %s",
-          topo.log_prefix(),
-          e,
-          "reading the step from the persistent tier" if plan else "trying an older step",
-        )
-        if plan is None:
-          tried.append(f"step {cand.step}: {e}")
-          continue
         try:
-          state = self._run(plan, abstract_state, paths, abstract, treedef, local)
-        except _Damaged as e:
-          tried.append(f"step {cand.step}: {e}")
-          corrupt.append(str(e))
-          continue
+          state = self._run(plan, *run)
+        except PeerTransferError as e:  # raised on every process alike
+          plan = restore_plan.decide(
+            _without_peer(cand, topo.num_slices), statuses, topo.slice_processes
+          )
+          logger.warning(
+            "%s %s; %s",
+            topo.log_prefix(),
+            e,
+            "reading the step from the persistent tier" if plan else "trying an older step",
+          )
+          if plan is None:
+            tried.append(f"step {cand.step}: {e}")
+            continue
+          state = self._run(plan, *run)
       except _Damaged as e:  # on every process alike
         tried.append(f"step {cand.step}: {e}")
-        corrupt.append(str(e))
+        damaged = True
         continue
       source = plan.sources[topo.slice_index]
       logger.info("%s restored step %d from %s", topo.log_prefix(), plan.step, source)
       self._discard_newer(plan.step, {c.step for c in cands})
       return Outcome(plan.step, state, data_state, source), tried
-    if corrupt:  # nothing left, and a persistent step was damaged: say which leaf
+    if damaged:  # nothing left, and a persistent step was damaged: say which leaf
       raise CorruptCheckpointError(
         f"no restorable checkpoint: {'; '.join(tried)}. The persistent tier's copies"
         " are damaged and no ramdisk holds these steps: start from scratch, or restore"
@@ -226,7 +223,7 @@ class Restorer:
 
   def _try_load(self, cand, paths, abstract):
     topo = self._topology
-    local_ok, error, mismatch, local = None, None, None, None
+    local_ok, error, mismatch, local, saved_count = None, None, None, None, None
     if topo.slice_index in cand.local_slices:
       try:
         local = self._local.read(cand.step, paths, abstract)
@@ -257,10 +254,11 @@ class Restorer:
       data_state, state_ok = None, False
       error = f"{error}; state: {e}" if error else f"state: {e}"
     status = restore_plan.Status(local_ok, state_ok, error, mismatch)
-    return status, local, data_state
+    return status, local, data_state, saved_count
 
-  def _execute(self, plan, abstract_state, paths, abstract, treedef, local):
-    """The restored tree, on this process's devices."""
+  def _execute(self, plan, abstract_state, paths, abstract, treedef, local, saved_count):
+    """The restored tree, on this process's devices. `saved_count`: how
+    many processes saved the step (its COMMIT, read by _try_load)."""
     topo = self._topology
     if plan.peer_source is not None:
       intact = [s for s, src in enumerate(plan.sources) if src == restore_plan.LOCAL]
@@ -284,8 +282,7 @@ class Restorer:
     if plan.sources[topo.slice_index] == restore_plan.LOCAL:
       arrays = [shards_lib.assemble(a, by_index) for a, by_index in zip(abstract, local.arrays)]
       return jax.tree_util.tree_unflatten(treedef, arrays)
-    count = self._state.saved_process_count(plan.step) or topo.process_count
-    expected = self._state.expected_crcs(plan.step, count)
+    expected = self._state.expected_crcs(plan.step, saved_count or topo.process_count)
     if self._read_shared:  # every slice reads the persistent tier: split it
       arrays = persistent_share.read_shared(
         plan.step,
@@ -303,16 +300,16 @@ class Restorer:
         return jax.tree_util.tree_unflatten(treedef, arrays)
     return self._persistent.restore(plan.step, abstract_state, expected)
 
-  def _run(self, plan, abstract_state, paths, abstract, treedef, local):
+  def _run(self, plan, *run):
     """_execute, then (if any slice read the persistent tier) one exchange
     of the persistent readers' failures: a shard that failed its checksum
     on any process raises _Damaged on every process (the step is skipped);
     any other failure raises on every process."""
     if restore_plan.PERSISTENT not in plan.sources:
-      return self._execute(plan, abstract_state, paths, abstract, treedef, local)
+      return self._execute(plan, *run)
     state, failure, raised = None, None, None
     try:
-      state = self._execute(plan, abstract_state, paths, abstract, treedef, local)
+      state = self._execute(plan, *run)
     except CorruptCheckpointError as e:
       failure = {"corrupt": True, "error": str(e)}
       logger.warning("%s persistent step %d: %s", self._topology.log_prefix(), plan.step, e)

@@ -57,11 +57,19 @@ class _Checksums:
   paths: list[str]
   abstract: list[Any]
 
-  def crcs(self) -> dict:
-    """This process's shard CRC32Cs (checksums.snapshot_crcs); lets go of
-    the snapshot, once."""
+  def crcs(self, local: LocalTier | None) -> dict:
+    """This process's shard CRC32Cs: from `local`'s manifest of the step if
+    its write succeeded (it summed these very bytes), else summed from the
+    snapshot (checksums.snapshot_crcs); lets go of the snapshot, once."""
     release, self.release = self.release, lambda: None
     try:
+      if local is not None:
+        try:
+          got = checksums.manifest_crcs(local.manifest(self.snapshot.step))
+        except (OSError, ValueError, KeyError, TypeError):  # gone or damaged: sum again
+          got = None
+        if got is not None:
+          return got
       return checksums.snapshot_crcs(self.snapshot.layout, self.snapshot.buffer)
     finally:
       release()
@@ -146,8 +154,10 @@ class SavePipeline:
         snapshot = self._staging.stage(step, paths, leaves, reserved)
         logger.debug("%s step %d staged in %.3fs", topo.log_prefix(), step, snapshot.stall_s)
       release = snapshot.hold() if snapshot_upload else None  # before the write frees it
-      abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in leaves]
-      sums = _Checksums(snapshot, snapshot.hold(), paths, abstract) if persistent else None
+      abstract, sums = None, None
+      if persistent:
+        abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in leaves]
+        sums = _Checksums(snapshot, snapshot.hold(), paths, abstract)
       nbytes = 0
       if decision.local:
         nbytes = snapshot.layout.nbytes
@@ -194,14 +204,20 @@ class SavePipeline:
     self, result: WriteResult, data_state: dict | None, sums: _Checksums | None
   ) -> None:
     self.durable(result.step, "local", result.nbytes, result.error)
-    self._queue_state(result.step, data_state, sums)
+    self._queue_state(result.step, data_state, sums, written=result.ok)
     if result.ok:
       self._retainer.after_local_write(result.step)
 
-  def _queue_state(self, step: int, data_state: dict | None, sums: _Checksums | None) -> None:
+  def _queue_state(
+    self, step: int, data_state: dict | None, sums: _Checksums | None, *, written: bool = False
+  ) -> None:
+    """`written`: the local write of `step` succeeded (its manifest holds
+    the shard CRC32Cs a persistent step records)."""
+
     def write_state() -> None:
       try:
-        self._state.write(step, data_state, None if sums is None else sums.crcs())
+        crcs = None if sums is None else sums.crcs(self._local if written else None)
+        self._state.write(step, data_state, crcs)
       except Exception as e:
         self.durable(step, "state", None, f"{type(e).__name__}: {e}")
         raise
