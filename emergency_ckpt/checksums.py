@@ -7,7 +7,8 @@ files Orbax never reads (the step stays in Orbax's standard format):
 
   state/<N>/process_<i>-of-<n>.json  key "shard_crc32c", on every process of
       the primary slice: the CRC32C of each unique shard it holds (from its
-      staged snapshot), {leaf path: [[index, crc], ...]}
+      local write's manifest, else summed from its staged snapshot),
+      {leaf path: [[index, crc], ...]}
   state/<N>/SHARDS                   written by the primary process: for each
       leaf, the saved shard indices and which process recorded each (the
       lowest process of the primary slice holding it), shared by the leaves

@@ -11,7 +11,8 @@ In the background (lanes of background.py):
   Primary slice at persistent steps: the upload, from arrays aliasing the
   snapshot on CPU (Orbax inline elsewhere: its device-to-host copy must end
   before the trainer may donate the arrays); its JSON state carries the
-  CRC32C of each shard it holds, summed from the snapshot, and the primary
+  CRC32C of each shard it holds (the local write's, else summed from the
+  snapshot), and the primary
   writes the step's shard table before COMMIT (checksums.py).
 
 No collective anywhere in save(); the persistent upload's barriers span the
@@ -142,7 +143,7 @@ class SavePipeline:
     snapshot_upload = persistent and self._upload_snapshots
     reserved = None
     # A persistent step is staged even without a local write: its shard
-    # checksums are summed from the snapshot (checksums.py).
+    # checksums are then summed from the snapshot (checksums.py).
     if decision.local or persistent:
       reserved = self._staging.reserve(paths, leaves)  # may wait for a running local write
     # Co-located processes start their background work only once no process
