@@ -73,6 +73,10 @@ class Inventory:
       local_rejected=rejected,
       persistent_steps=tuple(self._persistent.steps()) if topo.is_primary_process else None,
       state_steps=tuple(self._state.committed_steps()) if topo.is_primary_process else None,
+      copies={
+        step: [c.to_json() for _, c in found.values()]
+        for step, found in self._local.copies().items()
+      },
     )
     return gather(self._collectives, inv, name)
 

@@ -96,6 +96,7 @@ def manifest_body(
         "path": leaf.path,
         "shape": list(leaf.shape),
         "dtype": shards_lib.dtype_name(leaf.dtype),
+        **({} if leaf.spec is None else {"spec": leaf.spec}),
         "shards": [
           {
             "index": [list(r) for r in slot.index],

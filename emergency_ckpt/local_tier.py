@@ -51,6 +51,8 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import hashlib
+import json
 import logging
 import os
 import shutil
@@ -110,6 +112,36 @@ def secure_makedirs(path: str, *, shared_ok: bool = False) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
+class Copy:
+  """Who wrote a local copy, in the topology that wrote it."""
+
+  topology: str
+  """A digest of that topology (copies of one save share it)."""
+  process: int
+  slice: int
+  position: int
+  slice_size: int
+
+  @classmethod
+  def of(cls, body: dict) -> Copy | None:
+    """The copy a manifest describes, or None if it names no such process."""
+    fp = body.get("topology") or {}
+    process = body.get("process_index")
+    try:
+      for s, procs in enumerate(fp["slice_processes"]):
+        if process in procs:
+          key = {k: fp.get(k) for k in ("slice_processes", "mesh_shape", "mesh_axis_names")}
+          digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+          return cls(digest, int(process), s, list(procs).index(process), len(procs))
+    except (KeyError, TypeError, ValueError):
+      pass
+    return None
+
+  def to_json(self) -> list:
+    return [self.topology, self.process, self.slice, self.position, self.slice_size]
+
+
+@dataclasses.dataclass(frozen=True)
 class WriteResult:
   step: int
   ok: bool
@@ -151,6 +183,7 @@ class LocalTier:
     self._max_spares = options.staging_buffers  # one per write that may run at once
     self._mapped: set[tuple[int, int]] = set()  # (st_dev, st_ino) of files read() mapped
     self._sources: dict[int, str] = {}  # step -> the folder usable_steps() found it in
+    self._copies: dict[int, dict[int, tuple[str, Copy]]] = {}  # see copies()
     self._colocated: set[int] = set()  # this job's processes on this machine (set_colocated)
     self._closed = False
     # Orbax's checkpointer API over this folder alone (local_handler.py),
@@ -208,12 +241,11 @@ class LocalTier:
     (checked again, shard by shard, when read). Remembers where each
     step's copy is for read()."""
     good, bad, sources = [], {}, {}
+    copies: dict[int, dict[int, tuple[str, Copy]]] = {}
     mine = (topology_lib.slice_shape(self._topology.fingerprint()), self._topology.slice_position)
     folders = [self.directory] + self._other_folders()
     for folder in folders:
       for step in layout.list_local_steps(folder):
-        if step in sources:
-          continue
         where = layout.local_step_dir(folder, step)
         try:
           body = local_format.read_manifest(where)
@@ -222,6 +254,11 @@ class LocalTier:
             bad[step] = str(e)
           continue
         fp = body.get("topology") or {}
+        copy = Copy.of(body) if body.get("run_id") == self._run_id else None
+        if copy is not None:
+          copies.setdefault(step, {}).setdefault(copy.process, (where, copy))
+        if step in sources:
+          continue
         theirs = (
           topology_lib.slice_shape(fp),
           topology_lib.slice_position_of(fp, body.get("process_index")),
@@ -240,6 +277,7 @@ class LocalTier:
         bad.pop(step, None)
         good.append(step)
     self._sources = sources
+    self._copies = copies
     adopted = self.adopted_steps()
     if adopted:
       logger.info(
@@ -249,6 +287,12 @@ class LocalTier:
         sorted(adopted),
       )
     return sorted(good), bad
+
+  def copies(self) -> dict[int, dict[int, tuple[str, Copy]]]:
+    """{step: {saved process: (folder, Copy)}} of every copy of this run
+    that usable_steps() found on this host, whatever topology wrote it
+    (what a restore onto another mesh reshards: reshard.py)."""
+    return self._copies
 
   def _other_folders(self) -> list[str]:
     """The other `process_<i>` folders of this run on this host (real
@@ -279,9 +323,10 @@ class LocalTier:
     self._colocated = {int(p) for p in processes}
 
   def held_steps(self) -> list[int]:
-    """This process's own steps and those usable_steps() found in other
-    processes' folders on this host: what retention manages."""
-    return sorted(set(self.steps()) | set(self.adopted_steps()))
+    """This process's own steps, and those usable_steps() found in other
+    processes' folders on this host or written on another mesh (copies()):
+    what retention manages."""
+    return sorted(set(self.steps()) | set(self.adopted_steps()) | set(self._copies))
 
   def adopted_steps(self) -> dict[int, str]:
     """{step: folder} of the copies usable_steps() found in other processes'
@@ -344,7 +389,7 @@ class LocalTier:
       run_id=self._run_id,
       process_index=self._topology.process_index,
       slice_index=self._topology.slice_index,
-      topology=self._topology.fingerprint(),
+      topology=self._recorded_topology(),
       spare=None if spare is None else os.path.join(spare, local_format.SHARDS),
     )
     try:
@@ -353,6 +398,13 @@ class LocalTier:
       if spare is not None:  # empty unless the save failed before taking its file
         shutil.rmtree(spare, ignore_errors=True)
     failpoints.hit("local.after_rename", staged.step)
+
+  def _recorded_topology(self) -> dict:
+    """The fingerprint, with the slice grid (reshard.py) when known."""
+    fp = self._topology.fingerprint()
+    if self._topology.slice_grid is not None:
+      fp["slice_grid"] = list(self._topology.slice_grid)
+    return fp
 
   def _take_spare(self, nbytes: int) -> str | None:
     """A spare folder whose shards.bin has exactly `nbytes` (taken off the
@@ -384,16 +436,25 @@ class LocalTier:
     StateMismatchError (tree/shape/dtype differ).
     """
     where = self._sources.get(step, self.step_dir(step))
-
-    def mapped(st: os.stat_result) -> None:
-      with self._spare_lock:
-        self._mapped.add((st.st_dev, st.st_ino))
-
     if os.path.islink(where) or not os.path.isdir(where):
       raise CorruptCheckpointError(
         f"{where} is not a step folder the local tier wrote (a symlink, or not a folder)"
       )
-    return local_read.read_step(where, abstract=list(abstract), paths=list(paths), on_map=mapped)
+    return local_read.read_step(
+      where, abstract=list(abstract), paths=list(paths), on_map=self._note_mapped
+    )
+
+  def read_copy(self, where: str) -> LocalStep:
+    """Every shard of the copy in `where` (a folder copies() lists),
+    verified; its file is never recycled afterwards. Blocks on one checksum
+    pass. Raises OSError or CorruptCheckpointError."""
+    if os.path.islink(where) or not os.path.isdir(where):
+      raise CorruptCheckpointError(f"{where} is not a step folder the local tier wrote")
+    return local_read.read_step(where, on_map=self._note_mapped)
+
+  def _note_mapped(self, st: os.stat_result) -> None:
+    with self._spare_lock:
+      self._mapped.add((st.st_dev, st.st_ino))
 
   # ---- delete --------------------------------------------------------------
   def delete(self, step: int, *, recycle: bool = False) -> None:
@@ -402,8 +463,8 @@ class LocalTier:
     `recycle`, its shards.bin is kept as a spare for a later save to write
     into, unless this process mapped it (read()) or enough spares exist."""
     doomed = layout.rename_out_of_namespace(self.step_dir(step))
+    self._drop_adopted(step)
     if doomed is None:
-      self._drop_adopted(step)
       return
     if recycle and self._keep_as_spare(doomed):
       return
@@ -446,14 +507,17 @@ class LocalTier:
     return doomed
 
   def _drop_adopted(self, step: int) -> None:
-    """Deletes the copy of `step` usable_steps() found in another process's
-    folder, if any (renamed away first)."""
-    where = self.adopted_steps().get(step)
-    self._sources.pop(step, None)
-    if where is not None and not local_owner.held(os.path.dirname(where)):  # never a live folder's
-      gone = layout.rename_out_of_namespace(where)
-      if gone is not None:
-        layout.remove_renamed(gone)
+    """Deletes the copies of `step` usable_steps() found in other processes'
+    folders (renamed away first), never a live folder's."""
+    found = [w for w, _ in self._copies.pop(step, {}).values()]
+    found.append(self._sources.pop(step, None))
+    for where in dict.fromkeys(found):
+      if where is None or where.startswith(self.directory + os.sep):
+        continue
+      if not local_owner.held(os.path.dirname(where)):
+        gone = layout.rename_out_of_namespace(where)
+        if gone is not None:
+          layout.remove_renamed(gone)
 
   def close(self) -> None:
     """Waits for writes, then removes the spares and lets go of the folder."""

@@ -16,6 +16,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 LOCAL, PEER, PERSISTENT = "local", "peer", "persistent"
+RESHARD = "reshard"
+"""A plan's source when the ramdisk copies were written on another mesh:
+every process assembles its shards from the saved ones (reshard.py); a
+process's own result names `local` or `peer` (where its bytes came from)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -29,12 +33,16 @@ class Inventory:
   local_rejected: Mapping[int, str] = dataclasses.field(default_factory=dict)
   persistent_steps: tuple[int, ...] | None = None
   state_steps: tuple[int, ...] | None = None
+  copies: Mapping[int, Sequence[Sequence]] = dataclasses.field(default_factory=dict)
+  """{step: [[topology digest, saved process, saved slice, slice position,
+  saved slice size], ...]} of the copies on this host (local_tier.Copy)."""
 
   def to_json(self) -> dict[str, Any]:
     return {
       "process": self.process,
       "slice": self.slice,
       "local_steps": list(self.local_steps),
+      "copies": {str(k): [list(c) for c in v] for k, v in self.copies.items()},
       "local_rejected": {str(k): v for k, v in self.local_rejected.items()},
       "persistent_steps": None if self.persistent_steps is None else list(self.persistent_steps),
       "state_steps": None if self.state_steps is None else list(self.state_steps),
@@ -50,6 +58,7 @@ class Inventory:
       local_rejected={int(k): v for k, v in d.get("local_rejected", {}).items()},
       persistent_steps=opt(d.get("persistent_steps")),
       state_steps=opt(d.get("state_steps")),
+      copies={int(k): [tuple(c) for c in v] for k, v in d.get("copies", {}).items()},
     )
 
 
@@ -59,6 +68,10 @@ class Candidate:
   local_slices: tuple[int, ...]
   """Slices whose every process lists the step in its local tier."""
   in_persistent: bool
+  reshard: tuple[int, ...] = ()
+  """Saved slices (of another topology) whose every process's copy is on
+  some host of this job: each holds the whole step (reshard.py)."""
+  reshard_topology: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,17 +83,28 @@ class Status:
   state_ok: bool
   error: str | None = None
   mismatch: str | None = None  # a user error (tree/shape/dtype): raise, never skip
+  reshard_bad: tuple[int, ...] = ()
+  """Saved slices whose copy on this host failed verification (or whose
+  layout cannot feed this state): they serve no reshard."""
 
   @property
   def is_ok(self) -> bool:
     """Everything asked was read: what a process need not report."""
-    return self.state_ok and self.local_ok is not False and not self.error and not self.mismatch
+    return (
+      self.state_ok
+      and self.local_ok is not False
+      and not self.error
+      and not self.mismatch
+      and not self.reshard_bad
+    )
 
   def to_json(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
 
   @classmethod
   def from_json(cls, d: Mapping[str, Any]) -> Status:
+    d = dict(d)
+    d["reshard_bad"] = tuple(d.get("reshard_bad", ()))
     return cls(**d)
 
 
@@ -91,6 +115,8 @@ class RestorePlan:
   """sources[s]: where slice s gets the step: local, peer or persistent."""
   peer_source: int | None
   """The slice that sends to the PEER slices (None when no slice needs it)."""
+  reshard_slices: tuple[int, ...] = ()
+  """With sources RESHARD: the saved slices that serve."""
 
 
 REJECTED_SHOWN = 16
@@ -106,7 +132,9 @@ def slice_summary(slice_index: int, values: Mapping[int, Mapping], expected: int
   some: dict[int, int] = {}
   rejected: list[str] = []
   out: dict[str, Any] = {"slice": slice_index}
+  copies: dict[str, dict[str, dict[str, Any]]] = {}
   for process, inv in sorted(values.items()):
+    _add_copies(copies, inv.get("copies", {}))
     steps = inv["local_steps"]
     held = set(steps) if held is None else held.intersection(steps)
     for step in steps:
@@ -124,8 +152,37 @@ def slice_summary(slice_index: int, values: Mapping[int, Mapping], expected: int
     some={str(step): n for step, n in sorted(some.items()) if step not in held},
     rejected=rejected[:REJECTED_SHOWN],
     rejected_count=len(rejected),
+    copies=_pack_copies(copies),
   )
   return out
+
+
+def _add_copies(into: dict, copies: Mapping[str, Any]) -> None:
+  """Adds an inventory's copies ({step: [[topology, process, slice,
+  position, size]]}) or a summary's ({step: {topology: {slice: [size,
+  position ranges]}}}) to `into` ({step: {topology: {slice: [size, set of
+  positions]}}})."""
+  for step, found in copies.items():
+    by_topo = into.setdefault(str(step), {})
+    if isinstance(found, Mapping):
+      for topo, slices in found.items():
+        for sl, (size, runs) in slices.items():
+          entry = by_topo.setdefault(topo, {}).setdefault(str(sl), [size, set()])
+          entry[1].update(p for a, b in runs for p in range(a, b + 1))
+      continue
+    for topo, _process, sl, position, size in found:
+      by_topo.setdefault(topo, {}).setdefault(str(sl), [size, set()])[1].add(position)
+
+
+def _pack_copies(copies: Mapping[str, Any]) -> dict:
+  """_add_copies' result as JSON: positions as ranges."""
+  return {
+    step: {
+      topo: {sl: [size, _ranges(sorted(pos))] for sl, (size, pos) in slices.items()}
+      for topo, slices in by_topo.items()
+    }
+    for step, by_topo in copies.items()
+  }
 
 
 def job_summary(summaries: Mapping[int, Mapping], num_slices: int) -> dict:
@@ -138,8 +195,10 @@ def job_summary(summaries: Mapping[int, Mapping], num_slices: int) -> dict:
   rejected: list[str] = []
   rejected_count = 0
   shared = {"persistent_steps": [], "state_steps": []}
+  copies: dict = {}
   for s in range(num_slices):
     summ = summaries.get(s) or {}
+    _add_copies(copies, summ.get("copies", {}))
     for step in summ.get("held", ()):
       held.setdefault(step, []).append(s)
     for step, n in summ.get("some", {}).items():
@@ -155,8 +214,24 @@ def job_summary(summaries: Mapping[int, Mapping], num_slices: int) -> dict:
     "partial": partial,
     "rejected": rejected,
     "rejected_count": rejected_count,
+    "reshard": _complete_copies(copies),
     **shared,
   }
+
+
+def _complete_copies(copies: Mapping[str, Any]) -> dict:
+  """{step: [topology, saved slices whose every position is held]} for the
+  steps some saved slice is complete for (the topology with most such)."""
+  out = {}
+  for step, by_topo in copies.items():
+    best: tuple[str, list[int]] | None = None
+    for topo, slices in sorted(by_topo.items()):
+      whole = sorted(int(sl) for sl, (size, pos) in slices.items() if len(pos) == size)
+      if whole and (best is None or len(whole) > len(best[1])):
+        best = (topo, whole)
+    if best is not None:
+      out[step] = [best[0], best[1]]
+  return out
 
 
 def _ranges(values: Sequence[int]) -> list[list[int]]:
@@ -183,6 +258,9 @@ class JobInventory:
   partial: tuple[str, ...] = ()
   rejected: tuple[str, ...] = ()
   rejected_count: int = 0
+  reshard: Mapping[int, tuple[str, tuple[int, ...]]] = dataclasses.field(default_factory=dict)
+  """{step: (topology digest, complete saved slices)} of ramdisk copies
+  written on another mesh (Candidate.reshard)."""
 
   @classmethod
   def from_json(cls, d: Mapping[str, Any]) -> JobInventory:
@@ -197,6 +275,7 @@ class JobInventory:
       partial=tuple(d.get("partial", ())),
       rejected=tuple(d.get("rejected", ())),
       rejected_count=d.get("rejected_count", 0),
+      reshard={int(k): (v[0], tuple(v[1])) for k, v in d.get("reshard", {}).items()},
     )
 
 
@@ -223,8 +302,9 @@ def candidates(job: JobInventory, *, step: int | None = None) -> list[Candidate]
     if step is not None and s != step:
       continue
     local = job.held.get(s, ())
-    if local or s in persistent:
-      out.append(Candidate(s, local, s in persistent))
+    topo, reshard = job.reshard.get(s, (None, ()))
+    if local or s in persistent or reshard:
+      out.append(Candidate(s, local, s in persistent, reshard, topo))
   return out
 
 
@@ -242,6 +322,10 @@ def decide(
   if good:
     sources = tuple(LOCAL if s in good else PEER for s in range(len(slice_processes)))
     return RestorePlan(cand.step, sources, good[0] if PEER in sources else None)
+  bad = {s for st in statuses.values() for s in st.reshard_bad}
+  reshard = tuple(s for s in cand.reshard if s not in bad)
+  if reshard and not cand.local_slices:
+    return RestorePlan(cand.step, (RESHARD,) * len(slice_processes), None, reshard)
   if cand.in_persistent:
     return RestorePlan(cand.step, (PERSISTENT,) * len(slice_processes), None)
   return None

@@ -27,6 +27,7 @@ import jax
 import numpy as np
 
 from emergency_ckpt import peer, persistent_share, restore_plan
+from emergency_ckpt import reshard as reshard_lib
 from emergency_ckpt import shards as shards_lib
 from emergency_ckpt.errors import (
   CorruptCheckpointError,
@@ -37,6 +38,7 @@ from emergency_ckpt.errors import (
   StepNotRestorableError,
   TopologyMismatchError,
 )
+from emergency_ckpt.peer import reshard_stream
 from emergency_ckpt.topology import peer_host
 
 logger = logging.getLogger("emergency_ckpt")
@@ -81,6 +83,7 @@ class Restorer:
     self._persistent = persistent
     self._state = state
     self._read_shared = False  # set per restore: may the slices split a persistent read?
+    self._reshard_source = restore_plan.LOCAL  # where a reshard found this process's bytes
 
   def restore(
     self,
@@ -174,7 +177,7 @@ class Restorer:
         tried.append(f"step {cand.step}: {e}")
         damaged = True
         continue
-      source = plan.sources[topo.slice_index]
+      source = self._reshard_source if plan.reshard_slices else plan.sources[topo.slice_index]
       logger.info("%s restored step %d from %s", topo.log_prefix(), plan.step, source)
       self._discard_newer(plan.step, {c.step for c in cands})
       return Outcome(plan.step, state, data_state, source), tried
@@ -224,6 +227,9 @@ class Restorer:
   def _try_load(self, cand, paths, abstract):
     topo = self._topology
     local_ok, error, mismatch, local, saved_count = None, None, None, None, None
+    reshard_bad: tuple[int, ...] = ()
+    if cand.reshard and not cand.local_slices:  # copies written on another mesh
+      local, reshard_bad = self._read_copies(cand, paths, abstract)
     if topo.slice_index in cand.local_slices:
       try:
         local = self._local.read(cand.step, paths, abstract)
@@ -253,13 +259,66 @@ class Restorer:
     except CorruptCheckpointError as e:
       data_state, state_ok = None, False
       error = f"{error}; state: {e}" if error else f"state: {e}"
-    status = restore_plan.Status(local_ok, state_ok, error, mismatch)
+    status = restore_plan.Status(local_ok, state_ok, error, mismatch, reshard_bad)
     return status, local, data_state, saved_count
+
+  def _read_copies(self, cand, paths, abstract) -> tuple[_Copies, tuple[int, ...]]:
+    """This host's copies of `cand` from its complete saved slices, each
+    verified shard by shard, and the saved slices whose copy failed (all of
+    them if the saved layout cannot feed `abstract`)."""
+    topo = self._topology
+    shapes = [tuple(a.shape) for a in abstract]
+    dtypes = [shards_lib.dtype_name(a.dtype) for a in abstract]
+    out = _Copies({}, None, [])
+    bad: set[int] = set()
+    for process, (where, copy) in sorted(self._local.copies().get(cand.step, {}).items()):
+      if copy.topology != cand.reshard_topology or copy.slice not in cand.reshard:
+        continue
+      try:
+        step = self._local.read_copy(where)
+      except (OSError, CorruptCheckpointError) as e:  # CorruptCheckpointError is an OSError
+        logger.warning("%s copy %s of step %d unusable: %s", topo.log_prefix(), where, cand.step, e)
+        bad.add(copy.slice)
+        continue
+      layout = reshard_lib.SavedLayout.from_manifest(step.manifest)
+      problem = "it records no layout" if layout is None else layout.problem(paths, shapes, dtypes)
+      if problem:
+        logger.warning(
+          "%s step %d cannot be resharded from ramdisk copies: %s",
+          topo.log_prefix(),
+          cand.step,
+          problem,
+        )
+        return out, tuple(cand.reshard)
+      by_path = dict(zip([leaf["path"] for leaf in step.manifest["leaves"]], step.arrays))
+      out.copies[process] = dataclasses.replace(step, arrays=[by_path[p] for p in paths])
+      out.layout = layout.to_json()
+      out.slice_processes = step.manifest["topology"]["slice_processes"]
+    return out, tuple(sorted(bad))
 
   def _execute(self, plan, abstract_state, paths, abstract, treedef, local, saved_count):
     """The restored tree, on this process's devices. `saved_count`: how
     many processes saved the step (its COMMIT, read by _try_load)."""
     topo = self._topology
+    if plan.reshard_slices:
+      copies = local if local is not None else _Copies({}, None, [])
+      saved = None
+      if copies.layout is not None:
+        sources = [copies.slice_processes[s] for s in plan.reshard_slices]
+        saved = {"layout": copies.layout, "sources": sources}
+      arrays, self._reshard_source = reshard_stream.transfer(
+        plan.step,
+        abstract,
+        paths,
+        copies.copies,
+        saved,
+        topology=topo,
+        collectives=self._collectives,
+        host=peer_host(self._options.peer.host) if copies.copies else None,
+        timeout_s=self._options.collective_timeout_s,
+        ports=self._options.peer.port_range,
+      )
+      return jax.tree_util.tree_unflatten(treedef, arrays)
     if plan.peer_source is not None:
       intact = [s for s, src in enumerate(plan.sources) if src == restore_plan.LOCAL]
       intact.sort(key=lambda s: s != plan.peer_source)  # the planned source first
@@ -330,6 +389,18 @@ class Restorer:
       where = "" if error.startswith("process ") else f"process {first}: "
       raise _Damaged(f"persistent step {plan.step} is damaged ({where}{error})")
     return state
+
+
+@dataclasses.dataclass
+class _Copies:
+  """A host's verified copies of a step written on another mesh."""
+
+  copies: dict[int, Any]
+  """{saved process: LocalStep, arrays in the restored tree's order}."""
+  layout: dict | None
+  """reshard.SavedLayout JSON (None if this host holds no copy)."""
+  slice_processes: list
+  """The saved topology's slice_processes."""
 
 
 class _Damaged(Exception):

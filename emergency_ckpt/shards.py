@@ -51,6 +51,10 @@ class LeafLayout:
   shape: tuple[int, ...]
   dtype: np.dtype
   slots: tuple[ShardSlot, ...]
+  spec: list | None = None
+  """The NamedSharding's PartitionSpec as JSON (reshard.spec_of), if it
+  reproduces this process's shard indices: recorded in local copies so
+  another mesh can reshard them."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,8 +90,32 @@ def _layout_cached(key) -> Layout:
       nbytes = int(np.prod(shard_shape(index), dtype=np.int64)) * dtype.itemsize
       slots.append(ShardSlot(index, offset, nbytes, tuple(by_index[index])))
       offset += -(-nbytes // ALIGN) * ALIGN
-    leaves.append(LeafLayout(path, tuple(shape), dtype, tuple(slots)))
+    spec = _checked_spec(sharding, shape, by_index)
+    leaves.append(LeafLayout(path, tuple(shape), dtype, tuple(slots), spec))
   return Layout(tuple(leaves), offset)
+
+
+def _checked_spec(sharding, shape, by_index: dict[Index, list[Any]]) -> list | None:
+  """reshard.spec_of(sharding), if reshard.block_index gives every device
+  of this process the index JAX gives it; else None (not reshardable)."""
+  from emergency_ckpt import reshard  # noqa: PLC0415 - reshard imports this module
+
+  spec = reshard.spec_of(sharding, shape)
+  if spec is None:
+    return None
+  mesh = sharding.mesh
+  sizes = {str(k): int(v) for k, v in mesh.shape.items()}
+  names = [str(n) for n in mesh.axis_names]
+  coords = {d.id: dict(zip(names, c)) for c, d in np.ndenumerate(np.asarray(mesh.devices))}
+  for index, devices in by_index.items():
+    for d in devices:
+      c = coords.get(d.id)
+      try:
+        if c is None or reshard.block_index(shape, spec, sizes, c) != index:
+          return None
+      except KeyError:
+        return None
+  return spec
 
 
 def layout_for(paths: Sequence[str], leaves: Sequence[Any]) -> Layout:

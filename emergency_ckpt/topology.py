@@ -23,6 +23,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from emergency_ckpt import reshard
 from emergency_ckpt.errors import CollectiveTimeoutError, TopologyError
 
 logger = logging.getLogger("emergency_ckpt")
@@ -41,6 +42,10 @@ class Topology:
   replica_axis_name: str
   mesh_shape: tuple[int, ...]
   mesh_axis_names: tuple[str, ...]
+  slice_grid: tuple[int, ...] | None = None
+  """The slice position of the process owning each device of this process's
+  slice, row-major over the mesh without the replica axis (recorded with
+  local copies, so another mesh can reshard them: reshard.py)."""
 
   @property
   def num_slices(self) -> int:
@@ -158,6 +163,7 @@ def topology_from_mesh(mesh: jax.sharding.Mesh, replica_axis: str | int) -> Topo
     replica_axis_name=str(mesh.axis_names[axis]),
     mesh_shape=tuple(devices.shape),
     mesh_axis_names=tuple(str(n) for n in mesh.axis_names),
+    slice_grid=tuple(reshard.slice_grid(devices.take(owner[me], axis=axis), slices[owner[me]])),
   )
 
 
@@ -195,6 +201,7 @@ class Collectives:
   - gather_sparse: 3 calls (2 with nothing to say); only the values that
     were not None (e.g. errors);
   - exchange_some: 1 call + 1 per process wanted; those processes' values;
+  - exchange_keyed: 1 call per key published + 1 per key wanted;
   - group_by: 3 calls; the values of the processes with the same label;
   - broadcast: 1 call; one value;
   - barrier: 2 calls; nothing.
@@ -446,6 +453,49 @@ class Collectives:
     for p in sorted(set(wanted)):
       left = max(0.001, deadline - time.monotonic())
       out[p] = json.loads(self._get(name, f"{key}/{p}", p, left))
+    return out
+
+  def exchange_keyed(
+    self,
+    name: str,
+    payloads: dict[str, Any],
+    *,
+    wanted: Sequence[str],
+    timeout_s: float | None = None,
+  ) -> dict[str, Any]:
+    """{key: value} of the `wanted` keys, whoever publishes them: this
+    process publishes `payloads` (a key another process published first
+    keeps that value: any publisher serves). One call per key published and
+    one per key wanted, against one deadline; raises CollectiveTimeoutError
+    naming the first key nobody published. Called by: every process (the
+    same name, in the same order; payloads and wanted differ)."""
+    if self._client is None or self._topology.process_count == 1:
+      missing = [k for k in wanted if k not in payloads]
+      if missing:
+        raise CollectiveTimeoutError(
+          f"{self._topology.log_prefix()} exchange {name!r}: nobody published {missing[0]!r}"
+        )
+      return {k: json.loads(json.dumps(payloads[k])) for k in wanted}
+    key = _next_key(self._namespace, name, self._client)
+    self._finished.append(key)
+    for k, v in payloads.items():
+      try:
+        self._client.key_value_set(f"{key}/{k}", json.dumps(v, sort_keys=True))
+      except Exception:  # noqa: BLE001 - already published by another process: it serves
+        logger.debug("%s %s/%s already published", self._topology.log_prefix(), name, k)
+    timeout_s = self._timeout_s if timeout_s is None else timeout_s
+    deadline = time.monotonic() + timeout_s
+    out = {}
+    for k in sorted(set(wanted)):
+      left = max(0.001, deadline - time.monotonic())
+      try:
+        out[k] = json.loads(self._client.blocking_key_value_get(f"{key}/{k}", int(left * 1000)))
+      except Exception:  # noqa: BLE001 - the client raises a generic error on timeout
+        raise CollectiveTimeoutError(
+          f"{self._topology.log_prefix()} exchange {name!r} timed out after"
+          f" {timeout_s:.0f}s: nobody published {k!r}; its holder may be hung,"
+          " stopped or dead. Check the logs, then restart the job."
+        ) from None
     return out
 
   def _signal_key(self, name: str) -> str:

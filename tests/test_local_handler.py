@@ -249,7 +249,7 @@ def test_files_are_exactly_local_format(tier, state):
     run_id=RUN_ID,
     process_index=topo.process_index,
     slice_index=topo.slice_index,
-    topology=topo.fingerprint(),
+    topology=tier.tier._recorded_topology(),
   )
   want["saved_at"] = body["saved_at"]
   assert body == want

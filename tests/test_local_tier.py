@@ -220,7 +220,10 @@ def test_read_returns_this_process_shards(tier, state):
   local = tier.read(1, paths, abstract)
   assert local.step == 1
   assert local.manifest["run_id"] == RUN_ID
-  assert local.manifest["topology"] == tier._topology.fingerprint()
+  assert local.manifest["topology"] == {
+    **tier._topology.fingerprint(),
+    "slice_grid": list(tier._topology.slice_grid),
+  }
   by_path = dict(zip(paths, local.arrays))
   w = by_path["['params']['w']"]
   assert sorted(w) == [((0, 4), (0, 3)), ((0, 4), (3, 6))]  # two column shards

@@ -9,6 +9,7 @@ job is SIGKILLed mid local save (f) and a fourth restores after it.
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 
@@ -158,10 +159,13 @@ def test_sigkill_mid_local_save(shm_dir, topology):
 
 def test_reshard_restore_from_persistent_onto_another_topology(shm_dir):
   """Saved by 2 slices x 2 processes, restored by 1 slice x 4 processes (the
-  data axis grows from 4 to 8): local copies are refused (other topology),
-  the persistent tier serves the step resharded, bit-exactly."""
+  data axis grows from 4 to 8) with every ramdisk lost (resharding ramdisk
+  copies: test_elastic_reshard): the persistent tier serves the step
+  resharded, bit-exactly."""
   args = _args(shm_dir, 2)
   run_job("tests.scenarios:save_steps", 4, args).check()
+  for host in os.listdir(args["local_root"]):  # every ramdisk lost
+    shutil.rmtree(os.path.join(args["local_root"], host, "test-run"))
   args.update(slices=1, variants=[{"name": "resharded"}])
   results = run_job("tests.scenarios:restore_variants", 4, args).check()
   for process, (rec,) in enumerate(results):

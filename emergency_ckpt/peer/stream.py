@@ -38,6 +38,7 @@ Blocks until every receiver has its shards, or one failed.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import errno
 import hmac
 import json
@@ -54,7 +55,7 @@ import numpy as np
 from emergency_ckpt import failpoints
 from emergency_ckpt import shards as shards_lib
 from emergency_ckpt.errors import CollectiveTimeoutError, CorruptCheckpointError, PeerTransferError
-from emergency_ckpt.local_format import LocalStep, checksum_ok
+from emergency_ckpt.local_format import LocalStep, checksum_ok, shard_checksum
 from emergency_ckpt.peer.routing import plan_pulls
 from emergency_ckpt.staging import aligned_empty
 
@@ -126,11 +127,11 @@ class Server:
       for leaf in local.manifest["leaves"]
       for s in leaf["shards"]
     }
-    self._shards: dict[tuple[int, tuple], tuple[np.ndarray, dict]] = {}
+    self._shards: dict[tuple[int, tuple], tuple[np.ndarray, dict, np.ndarray]] = {}
     for leaf_no, (path, by_index) in enumerate(zip(paths, local.arrays)):
       for index, arr in by_index.items():
         raw = arr.reshape(-1).view(np.uint8)
-        self._shards[(leaf_no, index)] = (raw, records[(path, index)])
+        self._shards[(leaf_no, index)] = (raw, records[(path, index)], arr)
     self._paths = list(paths)
     self._sock = _listen(host, ports)
     self.host = host
@@ -191,13 +192,20 @@ class Server:
       error = f"this process serves step {self._step}, not {request.get('step')!r}"
       return {"error": error}, [], []
     records, views, gates = [], [], []
-    for leaf_no, path, index in request.get("shards", []):
+    for item in request.get("shards", []):
+      leaf_no, path, index = item[:3]
+      box = item[3] if len(item) > 3 else None  # a part of the shard (reshard.py)
       key = (leaf_no, _index_key(index))
       got = self._shards.get(key)
-      if got is None or self._paths[leaf_no] != path:
+      if got is None or self._paths[leaf_no] != path or (box is not None and key in self._ready):
         return {"error": f"no shard {index} of leaf {path} here"}, [], []
-      raw, record = got
-      records.append({k: v for k, v in record.items() if k in ("nbytes", "crc32c", "crc32")})
+      raw, record, arr = got
+      if box is None:
+        records.append({k: v for k, v in record.items() if k in ("nbytes", "crc32c", "crc32")})
+      else:  # verified when read: checksummed again as sent
+        part = arr[tuple(slice(a - i0, b - i0) for (a, b), (i0, _) in zip(box, key[1]))]
+        raw = np.ascontiguousarray(part).reshape(-1).view(np.uint8)
+        records.append({"nbytes": raw.nbytes, **shard_checksum(raw)})
       views.append(raw)
       gates.append(self._ready.get(key))
     return {"shards": records}, views, gates
@@ -232,6 +240,31 @@ def _listen(host: str, ports: tuple[int, int] | None) -> socket.socket:
   )
 
 
+@contextlib.contextmanager
+def request(offer: dict, sender: int, step: int, shards: list, *, timeout_s: float):
+  """A connection to `sender` (its `offer`) that asked for `shards` ([leaf
+  number, path, index] or [..., box]) of `step`: yields (socket, one record
+  per shard: nbytes and checksum), the bytes to follow in that order.
+  Raises PeerTransferError or OSError."""
+  if "error" in offer:
+    raise PeerTransferError(f"process {sender} cannot serve: {offer['error']}")
+  with socket.create_connection((offer["host"], offer["port"]), timeout=timeout_s) as sock:
+    sock.sendall(MAGIC + bytes.fromhex(offer["token"]))
+    _send_json(sock, {"step": step, "shards": shards})
+    reply = _recv_json(sock)
+    if "error" in reply:
+      raise PeerTransferError(f"process {sender} refused: {reply['error']}")
+    records = reply.get("shards", [])
+    if len(records) != len(shards):
+      raise PeerTransferError(f"process {sender} answered {len(records)} of {len(shards)} shards")
+    yield sock, records
+
+
+def recv_into(sock: socket.socket, view: np.ndarray) -> None:
+  """Fills the contiguous uint8 array `view` from `sock`."""
+  _recv_exact(sock, memoryview(view))
+
+
 def pull(
   offer: dict,
   sender: int,
@@ -245,18 +278,8 @@ def pull(
   """Receives `items` (leaf number, slot) of `step` from `sender` into their
   slots of `buffer`, each verified against the sender's checksum. Raises
   PeerTransferError, CorruptCheckpointError or OSError."""
-  if "error" in offer:
-    raise PeerTransferError(f"process {sender} cannot serve: {offer['error']}")
-  with socket.create_connection((offer["host"], offer["port"]), timeout=timeout_s) as sock:
-    sock.sendall(MAGIC + bytes.fromhex(offer["token"]))
-    shards = [[leaf_no, paths[leaf_no], [list(r) for r in slot.index]] for leaf_no, slot in items]
-    _send_json(sock, {"step": step, "shards": shards})
-    reply = _recv_json(sock)
-    if "error" in reply:
-      raise PeerTransferError(f"process {sender} refused: {reply['error']}")
-    records = reply.get("shards", [])
-    if len(records) != len(items):
-      raise PeerTransferError(f"process {sender} answered {len(records)} of {len(items)} shards")
+  shards = [[leaf_no, paths[leaf_no], [list(r) for r in slot.index]] for leaf_no, slot in items]
+  with request(offer, sender, step, shards, timeout_s=timeout_s) as (sock, records):
     for (leaf_no, slot), record in zip(items, records):
       where = f"leaf {paths[leaf_no]} shard {slot.index} of step {step} from process {sender}"
       if record.get("nbytes") != slot.nbytes:
