@@ -107,6 +107,7 @@ class Inventory:
   def metadata(self, step: int) -> StepMetadata:
     """See CheckpointManager.metadata. Called by: every process (one gather_tree)."""
     topo = self._topology
+    self._local.usable_steps()  # copies other processes left on this host count too
     mine: dict = {"local": self._local.step_bytes(step)}
     if topo.is_primary_process:
       mine["primary"] = {

@@ -121,9 +121,11 @@ class Copy:
   slice: int
   position: int
   slice_size: int
+  partner: bool = False
+  """Sent by its writer to this host's process (peer/partner.py)."""
 
   @classmethod
-  def of(cls, body: dict) -> Copy | None:
+  def of(cls, body: dict, *, partner: bool = False) -> Copy | None:
     """The copy a manifest describes, or None if it names no such process."""
     fp = body.get("topology") or {}
     process = body.get("process_index")
@@ -132,13 +134,20 @@ class Copy:
         if process in procs:
           key = {k: fp.get(k) for k in ("slice_processes", "mesh_shape", "mesh_axis_names")}
           digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-          return cls(digest, int(process), s, list(procs).index(process), len(procs))
+          return cls(digest, int(process), s, list(procs).index(process), len(procs), partner)
     except (KeyError, TypeError, ValueError):
       pass
     return None
 
   def to_json(self) -> list:
-    return [self.topology, self.process, self.slice, self.position, self.slice_size]
+    return [
+      self.topology,
+      self.process,
+      self.slice,
+      self.position,
+      self.slice_size,
+      int(self.partner),
+    ]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,10 +229,14 @@ class LocalTier:
     return local_format.read_manifest(self.step_dir(step))
 
   def step_bytes(self, step: int) -> int | None:
-    """Bytes of `step`'s files, or None if this process holds no such step."""
-    if step not in self.steps():
+    """Bytes of `step`'s files, or None if this process holds no such step
+    (its own, or the copy usable_steps() last found in another folder)."""
+    if step in self.steps():
+      d = self.step_dir(step)
+    elif step in self.adopted_steps():
+      d = self._sources[step]
+    else:
       return None
-    d = self.step_dir(step)
     try:
       return sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d))
     except OSError:  # deleted meanwhile
@@ -263,6 +276,9 @@ class LocalTier:
           topology_lib.slice_shape(fp),
           topology_lib.slice_position_of(fp, body.get("process_index")),
         )
+        grid, my_grid = fp.get("slice_grid"), self._topology.slice_grid
+        if grid is not None and my_grid is not None and tuple(grid) != tuple(my_grid):
+          theirs = None  # the slice's processes sit elsewhere in the mesh: reshard it
         if theirs != mine or body.get("run_id") != self._run_id:
           if folder == self.directory:
             bad[step] = (
@@ -276,6 +292,16 @@ class LocalTier:
         sources[step] = where
         bad.pop(step, None)
         good.append(step)
+    for folder in self._partner_folders(folders):
+      for step in layout.list_local_steps(folder):
+        where = layout.local_step_dir(folder, step)
+        try:
+          body = local_format.read_manifest(where)
+        except (OSError, CorruptCheckpointError):
+          continue  # checked again when read; a torn copy is not listed
+        copy = Copy.of(body, partner=True) if body.get("run_id") == self._run_id else None
+        if copy is not None:
+          copies.setdefault(step, {}).setdefault(copy.process, (where, copy))
     self._sources = sources
     self._copies = copies
     adopted = self.adopted_steps()
@@ -293,6 +319,22 @@ class LocalTier:
     that usable_steps() found on this host, whatever topology wrote it
     (what a restore onto another mesh reshards: reshard.py)."""
     return self._copies
+
+  @staticmethod
+  def _partner_folders(folders: Sequence[str]) -> list[str]:
+    """The `partner/process_<i>` folders inside `folders` (peer/partner.py)."""
+    out = []
+    for folder in folders:
+      root = os.path.join(folder, layout.PARTNER_DIR)
+      try:
+        names = sorted(os.listdir(root))
+      except OSError:
+        continue
+      for name in names:
+        path = os.path.join(root, name)
+        if layout.process_of_dir_name(name) is not None and not os.path.islink(path):
+          out.append(path)
+    return out
 
   def _other_folders(self) -> list[str]:
     """The other `process_<i>` folders of this run on this host (real

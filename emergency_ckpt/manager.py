@@ -17,7 +17,7 @@ from typing import Any
 import jax
 from etils import epath
 
-from emergency_ckpt import layout, persistent_layout, policies, retention
+from emergency_ckpt import layout, persistent_layout, policies, redundancy, retention
 from emergency_ckpt import shards as shards_lib
 from emergency_ckpt.background import Background
 from emergency_ckpt.errors import (
@@ -56,7 +56,15 @@ from emergency_ckpt.topology import (
 logger = logging.getLogger("emergency_ckpt")
 
 # Lanes closed first, in this order, at close(): writes before what follows them.
-_CLOSE_ORDER = ("local-write", "prepare", "state-write", "commit", "commit-watch", "retention")
+_CLOSE_ORDER = (
+  "local-write",
+  "prepare",
+  "redundancy",
+  "state-write",
+  "commit",
+  "commit-watch",
+  "retention",
+)
 
 
 class CheckpointManager:
@@ -114,6 +122,14 @@ class CheckpointManager:
       background=self._background,
       **tiers,
     )
+    host = host_identity(options.host_id)
+    self._redundancy = redundancy.start(
+      options,
+      topology=topo,
+      collectives=self._collectives,
+      process_dir=self._local.directory,
+      host_label=host,
+    )
     self._saves = SavePipeline(
       options,
       topology=topo,
@@ -125,13 +141,14 @@ class CheckpointManager:
       background=self._background,
       # CPU devices: the upload reads the staged snapshot; accelerators: Orbax copies inline.
       upload_snapshots=all(d.platform == "cpu" for d in mesh.local_devices),
+      redundancy=self._redundancy,
       **tiers,
     )
     self._inventory = Inventory(
       topology=topo,
       collectives=self._collectives,
       events=self._events,
-      host=host_identity(options.host_id),
+      host=host,
       **tiers,
     )
     self._restorer = Restorer(
@@ -437,6 +454,8 @@ class CheckpointManager:
       self._retainer.close()
       self._local.close()
       self._background.close(_CLOSE_ORDER)
+      if self._redundancy is not None:
+        self._redundancy.close()
       self._staging.close()
       self._persistent.close(abandon=self._background.failed)
       self._events.close()

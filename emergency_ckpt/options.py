@@ -56,6 +56,9 @@ BEST_MODES = ("min", "max")
 PEER_TRANSPORTS = ("stream", "collective")
 
 
+REDUNDANCY = ("none", "partner")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LocalTierOptions:
   """Frequent saves of every process's own shards to a node-local ramdisk."""
@@ -90,6 +93,22 @@ class LocalTierOptions:
   that arrives while the previous local write is still running waits for
   it; 2 lets them overlap, for one more buffer and spare."""
 
+  redundancy: str = "none"
+  """Copies of each process's local step in another host's ramdisk of the
+  same slice, so a lost host's shards survive without a peer slice:
+  "none", or "partner": after its local write, each process sends its step
+  (in the background, over the authenticated peer transport) to its partner,
+  the next process of its slice on another machine, which keeps it beside
+  its own copy: 2x ramdisk memory; survives any loss that never takes a
+  process and its partner together. Restore then rebuilds a lost host from
+  its partner's copy (`r.source == "partner"`) before the persistent tier.
+  ("xor" parity is not built yet: issue 18.)"""
+
+  redundancy_required: bool = True
+  """With a redundancy scheme: a step commits only once its partner holds
+  its copy (False: it may commit before, or without it, if the partner is
+  unreachable; the step is then not protected against a host loss)."""
+
   def __post_init__(self):
     _require(
       isinstance(self.directory, str) and bool(self.directory),
@@ -104,6 +123,15 @@ class LocalTierOptions:
     _optional_positive_int(self.keep_period, "local.keep_period")
     _optional_positive_int(self.keep_best, "local.keep_best")
     _positive_int(self.staging_buffers, "local.staging_buffers")
+    _require(
+      self.redundancy in REDUNDANCY,
+      f"local.redundancy={self.redundancy!r} is not one of {', '.join(REDUNDANCY)}"
+      " (xor parity is not built yet).",
+    )
+    _require(
+      isinstance(self.redundancy_required, bool),
+      f"local.redundancy_required must be true or false, got {self.redundancy_required!r}.",
+    )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -35,7 +35,8 @@ class Inventory:
   state_steps: tuple[int, ...] | None = None
   copies: Mapping[int, Sequence[Sequence]] = dataclasses.field(default_factory=dict)
   """{step: [[topology digest, saved process, saved slice, slice position,
-  saved slice size], ...]} of the copies on this host (local_tier.Copy)."""
+  saved slice size, 1 if a partner copy else 0], ...]} of the copies on
+  this host (local_tier.Copy)."""
 
   def to_json(self) -> dict[str, Any]:
     return {
@@ -72,6 +73,8 @@ class Candidate:
   """Saved slices (of another topology) whose every process's copy is on
   some host of this job: each holds the whole step (reshard.py)."""
   reshard_topology: str | None = None
+  reshard_partner: Mapping[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+  """{saved slice: positions only partner copies hold} (peer/partner.py)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +120,8 @@ class RestorePlan:
   """The slice that sends to the PEER slices (None when no slice needs it)."""
   reshard_slices: tuple[int, ...] = ()
   """With sources RESHARD: the saved slices that serve."""
+  reshard_partner: tuple[tuple[int, ...], ...] = ()
+  """Per reshard slice: the positions only partner copies hold."""
 
 
 REJECTED_SHOWN = 16
@@ -159,26 +164,33 @@ def slice_summary(slice_index: int, values: Mapping[int, Mapping], expected: int
 
 def _add_copies(into: dict, copies: Mapping[str, Any]) -> None:
   """Adds an inventory's copies ({step: [[topology, process, slice,
-  position, size]]}) or a summary's ({step: {topology: {slice: [size,
-  position ranges]}}}) to `into` ({step: {topology: {slice: [size, set of
-  positions]}}})."""
+  position, size, partner]]}) or a summary's ({step: {topology: {slice:
+  [size, position ranges, ranges of positions held by own copies]}}}) to
+  `into` ({step: {topology: {slice: [size, positions, own positions]}}})."""
   for step, found in copies.items():
     by_topo = into.setdefault(str(step), {})
     if isinstance(found, Mapping):
       for topo, slices in found.items():
-        for sl, (size, runs) in slices.items():
-          entry = by_topo.setdefault(topo, {}).setdefault(str(sl), [size, set()])
+        for sl, (size, runs, own) in slices.items():
+          entry = by_topo.setdefault(topo, {}).setdefault(str(sl), [size, set(), set()])
           entry[1].update(p for a, b in runs for p in range(a, b + 1))
+          entry[2].update(p for a, b in own for p in range(a, b + 1))
       continue
-    for topo, _process, sl, position, size in found:
-      by_topo.setdefault(topo, {}).setdefault(str(sl), [size, set()])[1].add(position)
+    for topo, _process, sl, position, size, *partner in found:
+      entry = by_topo.setdefault(topo, {}).setdefault(str(sl), [size, set(), set()])
+      entry[1].add(position)
+      if not (partner and partner[0]):
+        entry[2].add(position)
 
 
 def _pack_copies(copies: Mapping[str, Any]) -> dict:
   """_add_copies' result as JSON: positions as ranges."""
   return {
     step: {
-      topo: {sl: [size, _ranges(sorted(pos))] for sl, (size, pos) in slices.items()}
+      topo: {
+        sl: [size, _ranges(sorted(pos)), _ranges(sorted(own))]
+        for sl, (size, pos, own) in slices.items()
+      }
       for topo, slices in by_topo.items()
     }
     for step, by_topo in copies.items()
@@ -220,17 +232,23 @@ def job_summary(summaries: Mapping[int, Mapping], num_slices: int) -> dict:
 
 
 def _complete_copies(copies: Mapping[str, Any]) -> dict:
-  """{step: [topology, saved slices whose every position is held]} for the
-  steps some saved slice is complete for (the topology with most such)."""
+  """{step: [topology, saved slices whose every position is held, {saved
+  slice: positions only partner copies hold}]} for the steps some saved
+  slice is complete for (the topology with most such)."""
   out = {}
   for step, by_topo in copies.items():
-    best: tuple[str, list[int]] | None = None
+    best = None
     for topo, slices in sorted(by_topo.items()):
-      whole = sorted(int(sl) for sl, (size, pos) in slices.items() if len(pos) == size)
+      whole = sorted(int(sl) for sl, (size, pos, _) in slices.items() if len(pos) == size)
       if whole and (best is None or len(whole) > len(best[1])):
-        best = (topo, whole)
+        partner_only = {
+          str(s): sorted(slices[str(s)][1] - slices[str(s)][2])
+          for s in whole
+          if slices[str(s)][1] - slices[str(s)][2]
+        }
+        best = [topo, whole, partner_only]
     if best is not None:
-      out[step] = [best[0], best[1]]
+      out[step] = best
   return out
 
 
@@ -258,9 +276,11 @@ class JobInventory:
   partial: tuple[str, ...] = ()
   rejected: tuple[str, ...] = ()
   rejected_count: int = 0
-  reshard: Mapping[int, tuple[str, tuple[int, ...]]] = dataclasses.field(default_factory=dict)
-  """{step: (topology digest, complete saved slices)} of ramdisk copies
-  written on another mesh (Candidate.reshard)."""
+  reshard: Mapping[int, tuple[str, tuple[int, ...], Mapping[int, tuple[int, ...]]]] = (
+    dataclasses.field(default_factory=dict)
+  )
+  """{step: (topology digest, complete saved slices, {saved slice:
+  positions only partner copies hold})} (Candidate.reshard)."""
 
   @classmethod
   def from_json(cls, d: Mapping[str, Any]) -> JobInventory:
@@ -275,7 +295,10 @@ class JobInventory:
       partial=tuple(d.get("partial", ())),
       rejected=tuple(d.get("rejected", ())),
       rejected_count=d.get("rejected_count", 0),
-      reshard={int(k): (v[0], tuple(v[1])) for k, v in d.get("reshard", {}).items()},
+      reshard={
+        int(k): (v[0], tuple(v[1]), {int(s): tuple(p) for s, p in v[2].items()})
+        for k, v in d.get("reshard", {}).items()
+      },
     )
 
 
@@ -302,9 +325,9 @@ def candidates(job: JobInventory, *, step: int | None = None) -> list[Candidate]
     if step is not None and s != step:
       continue
     local = job.held.get(s, ())
-    topo, reshard = job.reshard.get(s, (None, ()))
+    topo, reshard, partner = job.reshard.get(s, (None, (), {}))
     if local or s in persistent or reshard:
-      out.append(Candidate(s, local, s in persistent, reshard, topo))
+      out.append(Candidate(s, local, s in persistent, reshard, topo, partner))
   return out
 
 
@@ -325,7 +348,8 @@ def decide(
   bad = {s for st in statuses.values() for s in st.reshard_bad}
   reshard = tuple(s for s in cand.reshard if s not in bad)
   if reshard and not cand.local_slices:
-    return RestorePlan(cand.step, (RESHARD,) * len(slice_processes), None, reshard)
+    partner = tuple(tuple(cand.reshard_partner.get(s, ())) for s in reshard)
+    return RestorePlan(cand.step, (RESHARD,) * len(slice_processes), None, reshard, partner)
   if cand.in_persistent:
     return RestorePlan(cand.step, (PERSISTENT,) * len(slice_processes), None)
   return None

@@ -240,7 +240,8 @@ class Restorer:
         local_ok, error = False, f"local copy: {e}"
         logger.warning("%s local copy of step %d unusable: %s", topo.log_prefix(), cand.step, e)
     try:
-      saved_count = self._state.saved_process_count(cand.step)
+      record = self._state.record(cand.step)
+      saved_count = None if record is None else record["process_count"]
       if saved_count is not None and saved_count != topo.process_count:
         # Per-process iterator positions cannot be mapped onto another
         # process count: the tensors restore (resharded), data_state is None.
@@ -255,12 +256,37 @@ class Restorer:
         )
         data_state, state_ok = None, True
       else:
-        data_state, state_ok = self._state.read(cand.step), True
+        data_state = self._state.read(cand.step, self._data_source(cand.step, record))
+        state_ok = True
     except CorruptCheckpointError as e:
       data_state, state_ok = None, False
       error = f"{error}; state: {e}" if error else f"state: {e}"
     status = restore_plan.Status(local_ok, state_ok, error, mismatch, reshard_bad)
     return status, local, data_state, saved_count
+
+  def _data_source(self, step: int, record: dict | None) -> int:
+    """Whose saved data state is this process's: the saved process whose
+    first device sat where this process's first device sits (its data
+    shard), when the step's COMMIT recorded where (process_origin) on a mesh
+    of this shape; else this process's own index."""
+    topo = self._topology
+    me = topo.process_index
+    fp = ((record or {}).get("info") or {}).get("topology") or {}
+    saved, mine = fp.get("process_origin"), topo.process_origin
+    if not saved or mine is None or list(fp.get("mesh_shape", ())) != list(topo.mesh_shape):
+      return me
+    try:
+      source = list(saved).index(mine[me])
+    except ValueError:
+      return me
+    if source != me:
+      logger.info(
+        "%s step %d: data_state saved by process %d, which held this process's mesh coordinates",
+        topo.log_prefix(),
+        step,
+        source,
+      )
+    return source
 
   def _read_copies(self, cand, paths, abstract) -> tuple[_Copies, tuple[int, ...]]:
     """This host's copies of `cand` from its complete saved slices, each
@@ -269,7 +295,7 @@ class Restorer:
     topo = self._topology
     shapes = [tuple(a.shape) for a in abstract]
     dtypes = [shards_lib.dtype_name(a.dtype) for a in abstract]
-    out = _Copies({}, None, [])
+    out = _Copies({}, None, [], set())
     bad: set[int] = set()
     for process, (where, copy) in sorted(self._local.copies().get(cand.step, {}).items()):
       if copy.topology != cand.reshard_topology or copy.slice not in cand.reshard:
@@ -292,6 +318,8 @@ class Restorer:
         return out, tuple(cand.reshard)
       by_path = dict(zip([leaf["path"] for leaf in step.manifest["leaves"]], step.arrays))
       out.copies[process] = dataclasses.replace(step, arrays=[by_path[p] for p in paths])
+      if copy.partner:
+        out.partner.add(process)
       out.layout = layout.to_json()
       out.slice_processes = step.manifest["topology"]["slice_processes"]
     return out, tuple(sorted(bad))
@@ -301,7 +329,7 @@ class Restorer:
     many processes saved the step (its COMMIT, read by _try_load)."""
     topo = self._topology
     if plan.reshard_slices:
-      copies = local if local is not None else _Copies({}, None, [])
+      copies = local if local is not None else _Copies({}, None, [], set())
       saved = None
       if copies.layout is not None:
         sources = [copies.slice_processes[s] for s in plan.reshard_slices]
@@ -312,6 +340,8 @@ class Restorer:
         paths,
         copies.copies,
         saved,
+        partner_held=copies.partner,
+        partner_only=plan.reshard_partner,
         topology=topo,
         collectives=self._collectives,
         host=peer_host(self._options.peer.host) if copies.copies else None,
@@ -401,6 +431,8 @@ class _Copies:
   """reshard.SavedLayout JSON (None if this host holds no copy)."""
   slice_processes: list
   """The saved topology's slice_processes."""
+  partner: set[int]
+  """Saved processes whose copy here came from them as their partner."""
 
 
 class _Damaged(Exception):

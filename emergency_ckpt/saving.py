@@ -33,6 +33,7 @@ import jax
 from emergency_ckpt import checksums, failpoints, persistent_layout, policies
 from emergency_ckpt import shards as shards_lib
 from emergency_ckpt.background import Background
+from emergency_ckpt.errors import PeerTransferError
 from emergency_ckpt.local_tier import LocalTier, WriteResult
 from emergency_ckpt.records import StepRecords
 from emergency_ckpt.retainer import Retainer
@@ -94,9 +95,11 @@ class SavePipeline:
     events: EventLog,
     background: Background,
     upload_snapshots: bool,
+    redundancy=None,
   ):
     """`upload_snapshots`: the persistent upload reads the staged snapshot
-    (CPU devices) instead of Orbax copying the device arrays inline."""
+    (CPU devices) instead of Orbax copying the device arrays inline.
+    `redundancy`: the partner link (redundancy.start), or None."""
     self._options = options
     self._topology = topology
     self._staging = staging
@@ -109,6 +112,7 @@ class SavePipeline:
     self._events = events
     self._background = background
     self._upload_snapshots = upload_snapshots
+    self._redundancy = redundancy
 
   def save(
     self,
@@ -205,9 +209,40 @@ class SavePipeline:
     self, result: WriteResult, data_state: dict | None, sums: _Checksums | None
   ) -> None:
     self.durable(result.step, "local", result.nbytes, result.error)
-    self._queue_state(result.step, data_state, sums, written=result.ok)
+    link = self._redundancy
+    if result.ok and link is not None and link.partner is not None:
+      # The partner's copy first, then the state file: the step commits
+      # once its partner holds it.
+      self._background.submit("redundancy", self._protect, result.step, data_state, sums)
+    else:
+      self._queue_state(result.step, data_state, sums, written=result.ok)
     if result.ok:
       self._retainer.after_local_write(result.step)
+
+  def _protect(self, step: int, data_state: dict | None, sums: _Checksums | None) -> None:
+    """On the redundancy lane: sends the step to the partner, then queues
+    the state file; if the partner did not store it and redundancy is
+    required, the state is never written, so the step never commits."""
+    try:
+      nbytes, _ = self._redundancy.send(self._local.step_dir(step))
+    except (OSError, PeerTransferError) as e:
+      self.durable(step, "partner", None, f"{type(e).__name__}: {e}")
+      if self._options.local.redundancy_required:
+        logger.error(
+          "%s step %d will not commit: partner process %d did not store its copy (%s);"
+          " local.redundancy_required=False lets steps commit without it",
+          self._topology.log_prefix(),
+          step,
+          self._redundancy.partner,
+          e,
+        )
+        if sums is not None:  # lets go of the snapshot
+          release, sums.release = sums.release, lambda: None
+          release()
+        return
+    else:
+      self.durable(step, "partner", nbytes)
+    self._queue_state(step, data_state, sums, written=True)
 
   def _queue_state(
     self, step: int, data_state: dict | None, sums: _Checksums | None, *, written: bool = False

@@ -43,6 +43,10 @@ class Topology:
   mesh_shape: tuple[int, ...]
   mesh_axis_names: tuple[str, ...]
   slice_grid: tuple[int, ...] | None = None
+  process_origin: tuple[int, ...] | None = None
+  """process_origin[p]: the flat mesh index of process p's first device:
+  where its data shard sits (a restart that moves processes across mesh
+  coordinates maps each saved data state to the process now there)."""
   """The slice position of the process owning each device of this process's
   slice, row-major over the mesh without the replica axis (recorded with
   local copies, so another mesh can reshard them: reshard.py)."""
@@ -77,6 +81,7 @@ class Topology:
       "mesh_shape": list(self.mesh_shape),
       "mesh_axis_names": list(self.mesh_axis_names),
       "replica_axis": self.replica_axis_name,
+      **({} if self.process_origin is None else {"process_origin": list(self.process_origin)}),
     }
 
   def log_prefix(self) -> str:
@@ -149,6 +154,9 @@ def topology_from_mesh(mesh: jax.sharding.Mesh, replica_axis: str | int) -> Topo
     slices.append(tuple(procs))
   me = jax.process_index()
   count = jax.process_count()
+  origin: dict[int, int] = {}
+  for flat, d in enumerate(devices.flat):
+    origin.setdefault(int(d.process_index), flat)
   if sorted(owner) != list(range(count)):
     missing = sorted(set(range(count)) - set(owner))
     raise TopologyError(
@@ -164,6 +172,7 @@ def topology_from_mesh(mesh: jax.sharding.Mesh, replica_axis: str | int) -> Topo
     mesh_shape=tuple(devices.shape),
     mesh_axis_names=tuple(str(n) for n in mesh.axis_names),
     slice_grid=tuple(reshard.slice_grid(devices.take(owner[me], axis=axis), slices[owner[me]])),
+    process_origin=tuple(origin[p] for p in range(count)),
   )
 
 

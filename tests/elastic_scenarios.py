@@ -16,11 +16,12 @@ from tests import scenarios as sc
 def restore_then_save(args: dict) -> dict[str, Any]:
   """Restores the newest step, then saves args['then_save'] (the run goes on
   under the new topology) and lists this host's run folder."""
-  mesh = sc.mesh_for(args["slices"])
+  mesh = sc.mesh_for(args["slices"], args.get("mesh_order"))
   # Each process a host of its own (these jobs share one machine, whose
   # boot id would make every folder a live co-located one, never taken).
   options = dataclasses.replace(sc.options(args), host_id=f"sim-host-{jax.process_index()}")
   with ec.CheckpointManager(options, mesh=mesh) as mngr:
+    held = list(mngr.metadata(5).local_slices) if args.get("metadata_of_5") else None
     r = mngr.restore(sc.abstract_state(mesh))
     out = {
       "step": r.step,
@@ -28,6 +29,7 @@ def restore_then_save(args: dict) -> dict[str, Any]:
       "slice": mngr.topology.slice_index,
       "bad": sc.mismatches(r.state, r.step),
       "data_state": r.data_state,
+      "local_slices_of_5": held,
     }
     for step in args.get("then_save", ()):
       mngr.save(step, sc.make_state(mesh, step), data_state=sc.data_state(step))

@@ -35,6 +35,7 @@ FAULT_TESTS = [
   "tests/test_faults_api.py",
   "tests/test_persistent_verify.py",
   "tests/test_persistent_shared_read.py",
+  "tests/test_elastic_reshard.py",
 ]
 BITFLIP_TEST = "tests/test_local_tier.py::test_random_bit_flips_are_never_silent"
 
@@ -310,14 +311,26 @@ SCENARIOS: list[Scenario] = [
   _s(
     "restart.other_slice_count",
     "saved by 2 slices x 1 process, restored by 1 slice x 2 processes",
-    "local copies refused (other topology); step 4 from the persistent tier, resharded,"
-    " bit-exact, data_state kept (same process count)",
+    "the ramdisk copies are resharded onto the new mesh: step 5 (the newest; persistent"
+    " has 4) from each process's own host, bit-exact, data_state kept (same process count)",
   ),
   _s(
     "restart.other_slice_count_local_only",
     "as above, persistent tier deleted",
-    "NoRestorableCheckpointError saying the local copies were saved with another"
-    " topology and must come from the persistent tier",
+    "step 5 from the ramdisk copies alone, resharded, bit-exact: no persistent read needed",
+  ),
+  _s(
+    "reshard.damaged_copy",
+    "saved by 2 slices x 2 processes x 2 devices, restored as 2 slices x 4 processes x 1"
+    " device (ramdisk copies resharded); one bit flipped in saved process 0's copy",
+    "the copy fails its checksum and drops saved slice 0; saved slice 1's copies serve"
+    " every process: step 5, bit-exact, never a wrong byte",
+  ),
+  _s(
+    "reshard.piece_lost",
+    "as above, hosts 1 and 3 lost (slice position 1 of both saved slices: a piece held"
+    " by no ramdisk)",
+    "no saved slice is complete: step 3 from the persistent tier, resharded, bit-exact",
   ),
   _s(
     "restart.fewer_processes",

@@ -30,9 +30,14 @@ def pid() -> int:
   return jax.process_index()
 
 
-def mesh_for(slices: int) -> Mesh:
-  devices = np.array(jax.devices()).reshape(slices, -1)
-  return Mesh(devices, ("replica", "data"))
+def mesh_for(slices: int, order: list[int] | None = None) -> Mesh:
+  """(replica=slices, data) over every device, processes in `order` (default:
+  by index): a restart may place processes at other mesh coordinates."""
+  devices = sorted(
+    jax.devices(),
+    key=lambda d: ((order or []).index(d.process_index) if order else d.process_index, d.id),
+  )
+  return Mesh(np.array(devices).reshape(slices, -1), ("replica", "data"))
 
 
 def expected(step: int) -> dict[str, np.ndarray]:
@@ -108,6 +113,7 @@ def options(args: dict) -> ec.CheckpointManagerOptions:
       directory=host_dir(args),
       save_interval_steps=args.get("local_interval", 1),
       max_to_keep=args.get("local_keep", 2),
+      redundancy=args.get("redundancy", "none"),
     ),
     persistent=ec.PersistentTierOptions(
       directory=args["persistent"],
@@ -121,6 +127,8 @@ def options(args: dict) -> ec.CheckpointManagerOptions:
       transport=args.get("peer_transport", "stream"), ports=args.get("peer_ports")
     ),
     state_commit_timeout_s=args.get("state_commit_timeout_s", 30),
+    # a machine of its own per process (these jobs share one machine)
+    **({"host_id": f"sim-host-{pid()}"} if args.get("sim_hosts") else {}),
   )
 
 

@@ -48,9 +48,10 @@ def test_shuffled_hosts_restore_from_the_copies_they_hold(shm_dir):
   args = _save(shm_dir, 4, 2)
   _swap(shm_dir, 0, 2)  # host 0 now runs process 0 and holds process 2's copies
   _swap(shm_dir, 1, 3)
-  results = _restart(args, 4, 2)
+  results = _restart(dict(args, metadata_of_5=True), 4, 2)
   for r in results:
     assert (r["step"], r["source"], r["bad"]) == (5, "local", []), r
+    assert r["local_slices_of_5"] == [0, 1], r  # metadata counts the copies hosts hold
     assert r["data_state"] == {
       "pos": 5000 + r["process"],
       "seed": [r["process"], 5],
@@ -78,3 +79,21 @@ def test_more_slices_restore_from_the_old_slice_and_its_peer(shm_dir):
     want = "local" if r["slice"] == 0 else "peer"
     assert (r["step"], r["source"], r["bad"]) == (5, want, []), r
     assert r["data_state"] is None, r
+
+
+def test_processes_moved_across_the_mesh_with_their_hosts(shm_dir):
+  """Same count, but each host now runs the process of its slice neighbour,
+  which the mesh places where the host's old process sat (as a mesh built
+  from physical device coordinates does after a host shuffle). The copies
+  hold the right shards for the mesh coordinates, not for the process
+  index: each process reads its own host's copy (resharded by the recorded
+  slice grid), and gets the data state saved for its mesh coordinates."""
+  args = _save(shm_dir, 4, 2)
+  _swap(shm_dir, 0, 1)
+  _swap(shm_dir, 2, 3)
+  moved = dict(args, mesh_order=[1, 0, 3, 2])
+  results = _restart(moved, 4, 2)
+  for r in results:
+    assert (r["step"], r["source"], r["bad"]) == (5, "local", []), r
+    was = r["process"] ^ 1  # the process that held these mesh coordinates
+    assert r["data_state"] == {"pos": 5000 + was, "seed": [was, 5], "tag": f"p{was}-s5"}, r

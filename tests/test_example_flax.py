@@ -33,7 +33,7 @@ def test_flax_grain_example_resumes_bit_exactly_and_notices_a_lost_iterator(tmp_
   run = flax_grain.Run(steps=STEPS, crash_at=CRASH_AT, procs_per_slice=1, timeout_s=300)
   try:
     reference = run.reference()
-    returncodes = run.crash()
+    returncodes = run.crash(settle=True)  # the newest save before the crash is durable
     run.wipe_lost_slice()
     _snapshot(run, str(tmp_path))
 

@@ -131,7 +131,8 @@ RESTORES = {
   "local.flip_all_slices_fallback": (4, "local"),
   "local.flip_all_slices_persistent": (4, "persistent"),
   "dir.foreign_run": (5, {0: "local", 1: "peer"}),
-  "restart.other_slice_count": (4, "persistent"),
+  "restart.other_slice_count": (5, "local"),
+  "restart.other_slice_count_local_only": (5, "local"),
 }
 
 
@@ -145,8 +146,8 @@ def test_damaged_checkpoint_restores(damage_runs, fault_matrix, name):
     before = [b["other_entries"] for b in damage_runs["base"]]
     ok = other == before and all(other)
     text += f"; the other run's folders untouched ({other} == {before})"
-  if ok and name == "restart.other_slice_count":
-    text = "1 slice x 2 processes: local copies refused (other topology); " + text
+  if ok and name.startswith("restart.other_slice_count"):
+    text = "1 slice x 2 processes: the ramdisk copies of 2 slices x 1 process, resharded; " + text
   fault_matrix.check(name, text, ok)
 
 
@@ -165,9 +166,6 @@ ERRORS = {
   "api.abstract_tree": {p: ("StateMismatchError", ["['mask']"]) for p in BOTH},
   "api.abstract_dtype_persistent": {p: ("StateMismatchError", ["['ids']"]) for p in BOTH},
   "api.abstract_shape_persistent": {p: ("StateMismatchError", ["['w']"]) for p in BOTH},
-  "restart.other_slice_count_local_only": {
-    p: ("NoRestorableCheckpointError", ["topology", "persistent tier"]) for p in BOTH
-  },
 }
 
 

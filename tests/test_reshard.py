@@ -130,7 +130,7 @@ def test_a_step_whose_saved_slice_is_complete_somewhere_is_a_reshard_candidate()
   invs = [_inv(p, p // 4, copies.get(p, {})) for p in range(8)]
   slices = [[0, 1, 2, 3], [4, 5, 6, 7]]
   job = restore_plan.summarize(invs, slices)
-  assert job.reshard == {5: ("t", (0, 1))}
+  assert job.reshard == {5: ("t", (0, 1), {})}
   cands = restore_plan.candidates(job)
   assert [(c.step, c.reshard, c.in_persistent) for c in cands] == [
     (5, (0, 1), False),
@@ -162,3 +162,29 @@ def test_relative_cuts_the_box_out_of_its_shard(dtype):
   index = ((4, 8), (8, 16))
   part = shard[reshard.relative(((5, 7), (10, 12)), index)]
   assert part.tolist() == shard[1:3, 2:4].tolist()
+
+
+def test_positions_only_partner_copies_hold_are_named():
+  # one slice of 4 (hosts 0-3); host 1 lost: process 1's step lives only in
+  # its partner's (process 2's) folder
+  copies = {
+    0: {5: [["t", 0, 0, 0, 4, 0]]},
+    2: {5: [["t", 2, 0, 2, 4, 0], ["t", 1, 0, 1, 4, 1]]},
+    3: {5: [["t", 3, 0, 3, 4, 0], ["t", 2, 0, 2, 4, 1]]},
+  }
+  invs = [_inv(p, 0, copies.get(p, {})) for p in range(4)]
+  job = restore_plan.summarize(invs, [[0, 1, 2, 3]])
+  assert job.reshard == {5: ("t", (0,), {0: (1,)})}
+  cand = restore_plan.candidates(job)[0]
+  plan = restore_plan.decide(cand, {}, [[0, 1, 2, 3]])
+  assert (plan.reshard_slices, plan.reshard_partner) == ((0,), ((1,),))
+
+
+def test_a_partner_is_the_next_process_of_the_slice_on_another_machine():
+  from emergency_ckpt.peer.partner import choose_partner  # noqa: PLC0415
+
+  assert choose_partner(0, [0, 1, 2, 3], {0: "a"}) == 1
+  assert choose_partner(3, [0, 1, 2, 3], {3: "d"}) == 0  # wraps
+  assert choose_partner(0, [0, 1, 2, 3], {0: "a", 1: "a"}) == 2  # 2 per machine
+  assert choose_partner(1, [0, 1, 2, 3], {0: "a", 1: "a"}) == 2
+  assert choose_partner(0, [0, 1], {0: "a", 1: "a"}) is None  # one machine

@@ -56,17 +56,23 @@ def transfer(
   copies: Mapping[int, LocalStep],
   saved: Mapping[str, Any] | None,
   *,
+  partner_held: set[int] = frozenset(),
+  partner_only: Sequence[Sequence[int]] = (),
   topology,
   collectives,
   host: str | None,
   timeout_s: float,
   ports: tuple[int, int] | None = None,
 ) -> tuple[list, str]:
-  """(the step's arrays on this process, "local" if every byte came from
-  this host's copies else "peer"). `copies`: {saved process: its verified
+  """(the step's arrays on this process, and where its bytes came from:
+  "local" (this host's copies), "partner" (some from a partner's copy on
+  another host) or "peer"). `copies`: {saved process: its verified
   copy on this host, arrays in `paths` order}; `saved`: what every holder
   publishes ({"layout": SavedLayout JSON, "sources": the saved process
   lists of the serving saved slices}), None on a process with no copy.
+  `partner_held`: saved processes whose copy here its partner received
+  (peer/partner.py); `partner_only`: per serving saved slice, the
+  positions only such copies hold (the plan's: they are pulled from there).
   Raises PeerTransferError on every process if any failed."""
   me = topology.process_index
   server, offer, error = None, None, None
@@ -85,7 +91,7 @@ def transfer(
       offer = server.offer()
     except OSError as e:
       offer = {"error": f"cannot listen on {host!r}: {e}"}
-  arrays, remote = None, False
+  arrays, remote = None, None
   try:
     try:
       got = collectives.exchange_keyed(
@@ -114,13 +120,22 @@ def transfer(
     for p in pieces:
       if not p.local:
         by_sender.setdefault(p.saved_process, []).append(p)
+    only = set()
+    if saved is not None:
+      for i, procs in enumerate(saved["sources"]):
+        held = set(partner_only[i]) if i < len(partner_only) else set()
+        only.update(sp for pos, sp in enumerate(procs) if pos in held)
+    keys = {sp: f"r{sp}" if sp in only else f"p{sp}" for sp in by_sender}
     try:
       offers = collectives.exchange_keyed(
         f"reshard_offer_{step}",
-        {f"p{sp}": offer for sp in copies} if offer is not None else {},
-        wanted=[f"p{sp}" for sp in sorted(by_sender)],
+        {f"r{sp}" if sp in partner_held else f"p{sp}": offer for sp in copies}
+        if offer is not None
+        else {},
+        wanted=sorted(keys.values()),
         timeout_s=timeout_s,
       )
+      offers = {sp: offers.get(key) for sp, key in keys.items()}
     except CollectiveTimeoutError as e:
       offers, error = {}, error or f"process {me}: no address from a holder ({e})"
     if error is None:
@@ -132,7 +147,7 @@ def transfer(
             _dest(buffer, layout, p)[...] = src[reshard.relative(p.box, p.index)]
         _pull_all(offers, by_sender, layout, paths, buffer, step=step, timeout_s=timeout_s)
         arrays = shards_lib.assemble_buffer(abstract, layout, buffer)
-        remote = bool(by_sender)
+        remote = "partner" if only & set(by_sender) else "peer" if by_sender else None
       except Exception as e:  # noqa: BLE001 - every process must reach the agreement
         error = f"process {me} ({type(e).__name__}): {e}"
         logger.warning(
@@ -151,7 +166,7 @@ def transfer(
     raise PeerTransferError(
       f"resharding step {step} from the ramdisk copies failed: " + "; ".join(failed)
     )
-  return arrays, "peer" if remote else "local"
+  return arrays, remote or "local"
 
 
 def _dest(buffer: np.ndarray, layout: shards_lib.Layout, p: reshard.Piece) -> np.ndarray:
@@ -167,7 +182,7 @@ def _pull_all(offers, by_sender, layout, paths, buffer, *, step: int, timeout_s:
   pool = concurrent.futures.ThreadPoolExecutor(len(by_sender), "ec-reshard-recv")
   try:
     futures = [
-      pool.submit(_pull, offers.get(f"p{sp}"), sp, items, layout, paths, buffer, step, timeout_s)
+      pool.submit(_pull, offers.get(sp), sp, items, layout, paths, buffer, step, timeout_s)
       for sp, items in by_sender.items()
     ]
     for f in concurrent.futures.as_completed(futures):

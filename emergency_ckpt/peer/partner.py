@@ -1,0 +1,202 @@
+"""Partner redundancy (local.redundancy = "partner"): each process's local
+step also lives in its partner's ramdisk, on another machine of its slice.
+
+After a local write, the writer's process streams the step's two files
+(`os.sendfile` of shards.bin: the kernel copies from the ramdisk to the
+socket) to its partner, which writes them under its own folder:
+  <process dir of the partner>/partner/process_<sender>/step_<N>/
+(a `.tmp-step_<N>-<hex>` folder renamed into place once both files are
+fsync'ed and every shard matched its CRC32C), keeps the newest `keep` steps per sender, and answers. The
+local tier lists those folders as copies of the sender's step
+(local_tier.copies), so a restore that lost the sender's host rebuilds it
+from there (reshard_stream.py, `r.source == "partner"`); every shard is
+checked against the CRC32C its writer recorded when it is read.
+
+Who partners whom: `choose_partner` (pure): the next process of the slice,
+in slice order, that runs on another machine.
+
+Security: like stream.py, each receiver listens on one address for the
+manager's lifetime and accepts only senders that present the 256-bit token
+it published through the JAX coordination service; requests are JSON, the
+payload raw bytes, nothing received is executed.
+
+Called by: the manager (one Receiver per process while redundancy is on;
+send() on the redundancy lane after each local write).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+import os
+import secrets
+import shutil
+import socket
+import threading
+from collections.abc import Mapping, Sequence
+
+from emergency_ckpt import layout, local_format, local_read
+from emergency_ckpt.errors import PeerTransferError
+from emergency_ckpt.peer import stream
+
+logger = logging.getLogger("emergency_ckpt")
+
+PARTNER_DIR = layout.PARTNER_DIR
+_CHUNK = 8 << 20
+
+
+def choose_partner(
+  me: int, slice_processes: Sequence[int], same_machine: Mapping[int, object]
+) -> int | None:
+  """The process after `me` in its slice's order (wrapping) on another
+  machine, or None if every process of the slice shares `me`'s machine.
+  `same_machine`: the processes on `me`'s machine (placement's group)."""
+  procs = list(slice_processes)
+  k = procs.index(me)
+  for i in range(1, len(procs)):
+    other = procs[(k + i) % len(procs)]
+    if other not in same_machine:
+      return other
+  return None
+
+
+def partner_dir(process_dir: str, sender: int) -> str:
+  """Where a process keeps `sender`'s steps: <process_dir>/partner/process_<sender>."""
+  return os.path.join(process_dir, PARTNER_DIR, layout.process_dir_name(sender))
+
+
+class Receiver:
+  """Receives partner steps into this process's folder until close()."""
+
+  def __init__(
+    self,
+    process_dir: str,
+    host: str,
+    *,
+    keep: int,
+    timeout_s: float,
+    log_prefix: str,
+    ports: tuple[int, int] | None = None,
+  ):
+    self._dir = process_dir
+    self._keep = keep
+    self._timeout_s = timeout_s
+    self._prefix = log_prefix
+    self._token = secrets.token_bytes(stream.TOKEN_BYTES)
+    self._sock = stream._listen(host, ports)  # noqa: SLF001 - one listener helper
+    self.host = host
+    self.port = self._sock.getsockname()[1]
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._accept, name="ec-partner-recv", daemon=True)
+    self._thread.start()
+
+  def offer(self) -> dict:
+    """What the sender needs to connect (published through the coordination service)."""
+    return {"host": self.host, "port": self.port, "token": self._token.hex()}
+
+  def _accept(self) -> None:
+    while not self._stop.is_set():
+      try:
+        conn, _ = self._sock.accept()
+      except TimeoutError:
+        continue
+      except OSError:
+        return  # closed
+      threading.Thread(target=self._serve, args=(conn,), name="ec-partner-in", daemon=True).start()
+
+  def _serve(self, conn: socket.socket) -> None:
+    with conn:
+      conn.settimeout(self._timeout_s)
+      try:
+        hello = stream._recv_bytes(conn, len(stream.MAGIC) + stream.TOKEN_BYTES)  # noqa: SLF001
+        if hello[: len(stream.MAGIC)] != stream.MAGIC or not hmac.compare_digest(
+          hello[len(stream.MAGIC) :], self._token
+        ):
+          logger.warning("%s partner: refused a connection without the token", self._prefix)
+          return
+        header = stream._recv_json(conn)  # noqa: SLF001
+        step, sender = int(header["step"]), int(header["process"])
+        body = local_format.decode_manifest(bytes.fromhex(header["manifest"]), "partner header")
+        if body.get("step") != step or body.get("process_index") != sender:
+          raise ValueError(f"header names step {step} of process {sender}, its manifest another")
+        self._store(conn, step, sender, int(header["nbytes"]), header["manifest"])
+        stream._send_json(conn, {"ok": True})  # noqa: SLF001
+      except Exception as e:  # noqa: BLE001 - the sender sees no "ok" and reports it
+        logger.warning("%s partner: a step was not stored: %s", self._prefix, e)
+        with contextlib.suppress(OSError):
+          stream._send_json(conn, {"error": str(e)})  # noqa: SLF001
+
+  def _store(self, conn, step: int, sender: int, nbytes: int, manifest_hex: str) -> None:
+    """Writes the step into a temporary folder, then renames it into place."""
+    folder = partner_dir(self._dir, sender)
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    tmp = os.path.join(folder, layout.tmp_step_dir_name(step))
+    os.mkdir(tmp, 0o700)
+    try:
+      with open(os.path.join(tmp, local_format.SHARDS), "wb") as f:
+        buf = bytearray(min(_CHUNK, max(nbytes, 1)))
+        view = memoryview(buf)
+        left = nbytes
+        while left:
+          n = conn.recv_into(view[: min(len(buf), left)])
+          if not n:
+            raise ConnectionError(f"connection closed with {left} of {nbytes} bytes to go")
+          f.write(view[:n])
+          left -= n
+        f.flush()
+        os.fsync(f.fileno())
+      with open(os.path.join(tmp, local_format.MANIFEST), "wb") as f:
+        f.write(bytes.fromhex(manifest_hex))
+        f.flush()
+        os.fsync(f.fileno())
+      local_read.read_step(tmp)  # every shard against its CRC32C: never keep a torn copy
+      final = layout.local_step_dir(folder, step)
+      old = layout.rename_out_of_namespace(final)
+      if old is not None:
+        layout.remove_renamed(old)
+      os.rename(tmp, final)
+    except BaseException:
+      shutil.rmtree(tmp, ignore_errors=True)
+      raise
+    for older in layout.list_local_steps(folder)[: -self._keep]:
+      gone = layout.rename_out_of_namespace(layout.local_step_dir(folder, older))
+      if gone is not None:
+        layout.remove_renamed(gone)
+
+  def close(self) -> None:
+    self._stop.set()
+    self._sock.close()
+    self._thread.join()
+
+
+def send(offer: dict, partner: int, step_dir: str, *, timeout_s: float) -> int:
+  """Sends the local step in `step_dir` to `partner` (its `offer`) and waits
+  until it is durable there; returns the bytes sent. Raises
+  PeerTransferError or OSError. Called by: the redundancy lane."""
+  if "error" in offer:
+    raise PeerTransferError(f"partner process {partner} cannot receive: {offer['error']}")
+  with open(os.path.join(step_dir, local_format.MANIFEST), "rb") as f:
+    raw = f.read()
+  body = local_format.decode_manifest(raw, step_dir)
+  with open(os.path.join(step_dir, local_format.SHARDS), "rb") as shards:
+    nbytes = os.fstat(shards.fileno()).st_size
+    with socket.create_connection((offer["host"], offer["port"]), timeout=timeout_s) as sock:
+      sock.sendall(stream.MAGIC + bytes.fromhex(offer["token"]))
+      header = {
+        "step": body["step"],
+        "process": body["process_index"],
+        "nbytes": nbytes,
+        "manifest": raw.hex(),
+      }
+      stream._send_json(sock, header)  # noqa: SLF001
+      sent = 0
+      while sent < nbytes:
+        n = os.sendfile(sock.fileno(), shards.fileno(), sent, nbytes - sent)
+        if not n:
+          raise ConnectionError(f"partner {partner} stopped reading after {sent} bytes")
+        sent += n
+      reply = stream._recv_json(sock)  # noqa: SLF001
+  if not reply.get("ok"):
+    raise PeerTransferError(f"partner process {partner} did not store step {body['step']}: {reply}")
+  return nbytes
