@@ -379,18 +379,20 @@ def bench_main(args: dict) -> dict:
         t0 = time.perf_counter()
         mngr = ec.CheckpointManager(_options(args, scheme), mesh=mesh)
         t1 = time.perf_counter()
-        r = mngr.restore(abstract)
-        jax.block_until_ready(r.state)
-        t2 = time.perf_counter()
+        rec = {"scheme": scheme, "rep": k, "variant": variant, "wiped": me in wiped,
+               "evicted_files": evicted}  # fmt: skip
+        try:
+          r = mngr.restore(abstract)
+          jax.block_until_ready(r.state)
+        except ec.NoRestorableCheckpointError as e:  # every process alike
+          rec.update(step=None, source=None, error=str(e)[:500], mismatched_shards=None)
+        else:
+          t2 = time.perf_counter()
+          rec.update(step=r.step, source=r.source, total_s=t2 - t0, construct_s=t1 - t0,
+                     restore_s=t2 - t1, mismatched_shards=_mismatched_shards(r.state, abstract))  # fmt: skip
+          del r
         mngr.close()
-        bad = _mismatched_shards(r.state, abstract)
-        out["restores"].append(
-          {"scheme": scheme, "rep": k, "variant": variant, "step": r.step,
-           "source": r.source, "total_s": t2 - t0, "construct_s": t1 - t0,
-           "restore_s": t2 - t1, "mismatched_shards": bad, "wiped": me in wiped,
-           "evicted_files": evicted}
-        )  # fmt: skip
-        del r
+        out["restores"].append(rec)
         barrier(f"red-{scheme}-{k}-{variant}-done")
       _progress(f"{scheme} restore round {k + 1}/{args['reps']} done")
     shutil.rmtree(backup, ignore_errors=True)
@@ -408,11 +410,12 @@ def _stats(values: list[float]) -> dict:
 
 
 def _by(results: list[dict], key: str) -> dict:
-  """{(fields...): [per-process records]} of every process's `key` list."""
+  """{((field, value), ...): [per-process records]} of every process's `key`
+  list, by scheme, rep and variant."""
   out: dict = {}
   for r in results:
     for rec in r[key]:
-      ident = tuple((k, rec[k]) for k in ("scheme", "rep", "variant", "step") if k in rec)
+      ident = tuple((k, rec[k]) for k in ("scheme", "rep", "variant") if k in rec)
       out.setdefault(ident, []).append(rec)
   return out
 
@@ -463,6 +466,16 @@ def reduce(results: list[dict], schemes: list[str]) -> dict:
     rows[f"local_durable_s/{s}"] = _stats([d.get("local") for d in per])
     rows[f"redundant_durable_s/{s}"] = _stats([d.get(tier) for d in per])
     rows[f"state_durable_s/{s}"] = _stats([d.get("state") for d in per])
+    # the scheme's own work: its tier's durable_s less the local one, per process
+    gaps = []
+    for st in durable[s]:
+      g = [r["durable"][s][str(st)] for r in results]
+      if all(x.get(tier) is not None and x.get("local") is not None for x in g):
+        gaps.append(max(x[tier] - x["local"] for x in g))
+    rows[f"redundancy_work_s/{s}"] = _stats(gaps)
+    out.setdefault("failed_durable", {})[s] = sum(
+      v is None for r in results for d in r["durable"][s].values() for v in d.values()
+    )
     rows[f"durable_ratio/{s}"] = _stats(
       [d[tier] / d["local"] if d.get(tier) and d.get("local") else None for d in per]
     )
@@ -493,10 +506,13 @@ def reduce(results: list[dict], schemes: list[str]) -> dict:
   restore: dict = {}
   for ident, recs in _by(results, "restores").items():
     d = dict(ident)
-    checks["bad_shards"] += sum(r["mismatched_shards"] for r in recs)
-    checks["wrong_step"] += sum(r["step"] != PERSISTENT_STEP for r in recs)
     srcs = checks["sources"].setdefault(f"{d['scheme']}/{d['variant']}", set())
     srcs.update(f"{'wiped' if r['wiped'] else 'kept'}:{r['source']}" for r in recs)
+    if any(r.get("error") for r in recs):
+      checks.setdefault("errors", []).append(f"{d['scheme']}/{d['variant']}: {recs[0]['error']}")
+      continue
+    checks["bad_shards"] += sum(r["mismatched_shards"] for r in recs)
+    checks["wrong_step"] += sum(r["step"] != PERSISTENT_STEP for r in recs)
     if d["rep"] >= 0:
       restore.setdefault((d["scheme"], d["variant"]), {})[d["rep"]] = max(
         r["total_s"] for r in recs
@@ -544,6 +560,9 @@ def markdown(doc: dict) -> str:
     f" {cfg['machine']}; job wall {doc['wall_s']:.0f} s. Figures: median (min - max)"
     " over reps of the max over processes; ratios per rep, then their median.",
     "",
+    f"Library: {cfg['library']['path']} at {cfg['library']['commit'][:12]}"
+    + (" (uncommitted changes)" if cfg["library"]["changed"] else ""),
+    "",
   ]
   if doc["skipped_schemes"]:
     lines += [f"Not built in this library (skipped): {', '.join(doc['skipped_schemes'])}.", ""]
@@ -564,6 +583,8 @@ def markdown(doc: dict) -> str:
       f"| durable with redundancy (event `{tier}`) | | {_fmt(rows[f'redundant_durable_s/{s}'])}"
       f" | {_fmt(rows[f'durable_ratio/{s}'], 'x')} of its local | <= {target}x |"
       f" {_verdict(rows[f'durable_ratio/{s}'], target)} |",
+      f"| its {tier} work: (`{tier}` - `local`) durable_s, max over processes | |"
+      f" {_fmt(rows[f'redundancy_work_s/{s}'])} | | | |",
       f"| state file written (event `state`) | | {_fmt(rows[f'state_durable_s/{s}'])} | | | |",
       f"| save until wait_until_finished | {_fmt(rows[f'finished_s/{NONE}'])}"
       f" | {_fmt(rows[f'finished_s/{s}'])} | {_fmt(rows[f'finished_ratio/{s}'], 'x')} | | |",
@@ -588,6 +609,11 @@ def markdown(doc: dict) -> str:
       "",
     ]
     srcs = {k.split("/", 1)[1]: v for k, v in checks["sources"].items() if k.startswith(s + "/")}
+    failed = doc["reduced"]["failed_durable"].get(s, 0)
+    if failed:
+      lines += [f"**{failed} save_failed events** in the timed saves (see the event logs).", ""]
+    for err in checks.get("errors", []):
+      lines += [f"**Restore failed**: {err}", ""]
     lines += [
       f"Restores: {checks['bad_shards']} mismatched shards, {checks['wrong_step']} of another"
       f" step than {PERSISTENT_STEP}; sources (wiped/kept host: source): "
@@ -648,6 +674,7 @@ def run(out: str, mib_per_process: float, reps: int, fg_iters: int = FG_ITERS) -
       "started_utc": started,
       "machine": f"{os.cpu_count()} CPUs, {platform.platform()}",
       "python": sys.version.split()[0],
+      "library": _library_version(),
     },
     "skipped_schemes": skipped,
     "bytes_per_process": results[0]["bytes"],
@@ -660,6 +687,29 @@ def run(out: str, mib_per_process: float, reps: int, fg_iters: int = FG_ITERS) -
   with open(os.path.join(out, "results.md"), "w") as f:
     f.write(markdown(doc))
   return doc
+
+
+def _library_version() -> dict:
+  """The checkout the job imported the library from: commit and changed files."""
+  import subprocess  # noqa: PLC0415
+
+  import emergency_ckpt  # noqa: PLC0415
+
+  where = os.path.dirname(os.path.dirname(os.path.abspath(emergency_ckpt.__file__)))
+
+  def git(*a: str) -> str:
+    try:
+      return subprocess.run(
+        ["git", "-C", where, *a], capture_output=True, text=True, timeout=10
+      ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+      return ""
+
+  return {
+    "path": where,
+    "commit": git("rev-parse", "HEAD"),
+    "changed": git("status", "--porcelain"),
+  }
 
 
 def main(argv: list[str] | None = None) -> int:
