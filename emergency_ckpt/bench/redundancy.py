@@ -689,6 +689,77 @@ def run(out: str, mib_per_process: float, reps: int, fg_iters: int = FG_ITERS) -
   return doc
 
 
+# (label, row key with {s} for the scheme, unit, target) of the combined table
+COMBINED_ROWS = (
+  ("save() stall, none", "stall_s/none", "s", None),
+  ("save() stall, {s}", "stall_s/{s}", "s", None),
+  ("stall {s} / none (per rep)", "stall_ratio/{s}", "x", STALL_TARGET),
+  ("durable locally (`local`), {s}", "local_durable_s/{s}", "s", None),
+  ("durable with redundancy, {s}", "redundant_durable_s/{s}", "s", None),
+  ("durable with redundancy / local (per save)", "durable_ratio/{s}", "x", "durable"),
+  ("{s} work (redundant - local durable_s)", "redundancy_work_s/{s}", "s", None),
+  ("train-like work during the save, none", "fg_s/none", "s", None),
+  ("train-like work during the save, {s}", "fg_s/{s}", "s", None),
+  ("train-like work, no save", "fg_s/idle", "s", None),
+  ("train-like work {s} / none (per rep)", "fg_ratio_vs_none/{s}", "x", None),
+  ("ramdisk per process, own steps + spare", "ramdisk_own_bytes/{s}", "MiB", None),
+  ("ramdisk per process, extra ({s} folders)", "ramdisk_extra_bytes/{s}", "MiB", None),
+  ("restore, intact", "restore_s/{s}/intact", "s", None),
+  ("restore, host 1 lost (from {s})", "restore_s/{s}/lost_host", "s", None),
+  ("restore from persistent, cache evicted", "restore_s/{s}/persistent_cold", "s", None),
+  ("restore from persistent, cache warm", "restore_s/{s}/persistent_warm", "s", None),
+  (
+    "lost host / persistent cold (per rep)",
+    "restore_ratio/{s}/persistent_cold",
+    "x",
+    RESTORE_TARGET,
+  ),
+  (
+    "lost host / persistent warm (per rep)",
+    "restore_ratio/{s}/persistent_warm",
+    "x",
+    RESTORE_TARGET,
+  ),
+)
+
+
+def combine(dirs: list[str]) -> str:
+  """One table over several runs' results.json: each run's median (min -
+  max over its reps), and whether each target held in each run."""
+  docs = []
+  for d in dirs:
+    with open(os.path.join(d, "results.json")) as f:
+      docs.append(json.load(f))
+  names = [os.path.basename(os.path.normpath(d)) for d in dirs]
+  lines = [
+    "| row | " + " | ".join(names) + " | target | held |",
+    "| --- |" + " --- |" * (len(names) + 2),
+  ]
+  for scheme in docs[0]["reduced"]["schemes"]:
+    for label, key, unit, target in COMBINED_ROWS:
+      key = key.format(s=scheme)
+      stats = [doc["reduced"]["rows"].get(key) for doc in docs]
+      if target == "durable":
+        target = SCHEMES[scheme]["durable_target"]
+      held = "" if target is None else "/".join(_verdict(st, target) for st in stats)
+      lines.append(
+        f"| {label.format(s=scheme)} | "
+        + " | ".join(_fmt(st, unit) + (" MiB" if unit == "MiB" else "") for st in stats)
+        + f" | {'' if target is None else f'<= {target}x'} | {held} |"
+      )
+  checks = [doc["reduced"]["restore_checks"] for doc in docs]
+  lines += [
+    "",
+    "Restores, all runs: "
+    f"{sum(c['bad_shards'] for c in checks)} mismatched shards,"
+    f" {sum(c['wrong_step'] for c in checks)} of another step,"
+    f" {sum(len(c.get('errors', [])) for c in checks)} failed;"
+    f" save_failed events: {sum(sum(d['reduced'].get('failed_durable', {}).values()) for d in docs)}.",
+    "",
+  ]
+  return "\n".join(lines)
+
+
 def _library_version() -> dict:
   """The checkout the job imported the library from: commit and changed files."""
   import subprocess  # noqa: PLC0415
@@ -718,7 +789,17 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--mib-per-process", type=float, default=128)
   p.add_argument("--reps", type=int, default=5)
   p.add_argument("--fg-iters", type=int, default=FG_ITERS)
+  p.add_argument(
+    "--combine", nargs="+", metavar="RUN_DIR", help="only write --out/summary.md over these runs"
+  )
   a = p.parse_args(argv)
+  if a.combine:
+    text = combine(a.combine)
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "summary.md"), "w") as f:
+      f.write(text)
+    print(text)
+    return 0
   doc = run(a.out, a.mib_per_process, a.reps, a.fg_iters)
   print(markdown(doc))
   return 0
