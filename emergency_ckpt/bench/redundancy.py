@@ -557,7 +557,9 @@ def markdown(doc: dict) -> str:
     f"1 slice x {PROCESSES} processes x {DEVICES_PER_PROCESS} CPU devices, each process a"
     f" simulated machine; {doc['bytes_per_process'] / 2**20:.1f} MiB of unique shards per"
     f" process; {cfg['reps']} reps, interleaved with `none` in a rotated order;"
-    f" {cfg['machine']}; job wall {doc['wall_s']:.0f} s. Figures: median (min - max)"
+    f" {cfg['machine']}, load average (1 min) {cfg['loadavg_1_5_15_before'][0]:.1f} before,"
+    f" {cfg['loadavg_1_5_15_after'][0]:.1f} after;"
+    f" job wall {doc['wall_s']:.0f} s. Figures: median (min - max)"
     " over reps of the max over processes; ratios per rep, then their median.",
     "",
     f"Library: {cfg['library']['path']} at {cfg['library']['commit'][:12]}"
@@ -652,6 +654,7 @@ def run(out: str, mib_per_process: float, reps: int, fg_iters: int = FG_ITERS) -
     "schemes": schemes,
   }
   started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+  load_before = os.getloadavg()
   try:
     job = run_job(
       "emergency_ckpt.bench.redundancy:bench_main",
@@ -675,6 +678,8 @@ def run(out: str, mib_per_process: float, reps: int, fg_iters: int = FG_ITERS) -
       "machine": f"{os.cpu_count()} CPUs, {platform.platform()}",
       "python": sys.version.split()[0],
       "library": _library_version(),
+      "loadavg_1_5_15_before": load_before,
+      "loadavg_1_5_15_after": os.getloadavg(),
     },
     "skipped_schemes": skipped,
     "bytes_per_process": results[0]["bytes"],
