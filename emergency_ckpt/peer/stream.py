@@ -133,6 +133,10 @@ class Server:
         raw = arr.reshape(-1).view(np.uint8)
         self._shards[(leaf_no, index)] = (raw, records[(path, index)], arr)
     self._paths = list(paths)
+    self._start(host, ports)
+
+  def _start(self, host: str, ports: tuple[int, int] | None) -> None:
+    """Listens, and serves on a thread until close()."""
     self._sock = _listen(host, ports)
     self.host = host
     self.port = self._sock.getsockname()[1]
