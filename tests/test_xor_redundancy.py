@@ -15,30 +15,18 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 
 import numpy as np
 import pytest
 
 from emergency_ckpt import xor_parity
 from emergency_ckpt.peer import xor as xor_lib
-from emergency_ckpt.testing.launcher import run_job
+from tests import restart_helpers as rh
 from tests.conftest import _fresh_shm_dir
 
 
 def _save(root: str, processes: int, slices: int) -> dict:
-  args = {
-    "slices": slices,
-    "local_root": os.path.join(root, "local"),
-    "persistent": os.path.join(root, "persistent"),
-    "steps": [1, 2, 3, 4, 5],
-    "persistent_interval": 3,
-    "local_keep": 3,
-    "redundancy": "xor",
-    "sim_hosts": True,
-  }
-  run_job("tests.scenarios:save_steps", processes, args, timeout_s=240).check()
-  return args
+  return rh.save_run(root, processes, slices, redundancy="xor", sim_hosts=True)
 
 
 @pytest.fixture(scope="module")
@@ -47,39 +35,14 @@ def one_slice():
     yield _save(root, 4, 1)
 
 
-def _copy(saved: dict, dest: str) -> dict:
-  args = dict(saved)
-  for key in ("local_root", "persistent"):
-    args[key] = os.path.join(dest, os.path.basename(saved[key]))
-    shutil.copytree(saved[key], args[key], symlinks=True)
-  return args
-
-
-def _wipe(args: dict, *hosts: int) -> None:
-  for host in hosts:
-    shutil.rmtree(os.path.join(args["local_root"], f"host_{host}"))
-
-
-def _process_dir(args: dict, host: int) -> str:
-  return os.path.join(args["local_root"], f"host_{host}", "test-run", f"process_{host}")
-
-
-def _restart(args: dict, processes: int, slices: int) -> dict[int, dict]:
-  args = dict(args, slices=slices, then_save=[6, 7, 8])
-  results = run_job(
-    "tests.elastic_scenarios:restore_then_save", processes, args, timeout_s=240
-  ).check()
-  return {r["process"]: r for r in results}
-
-
 def test_each_member_keeps_the_xor_of_the_others_chunks(one_slice, shm_dir):
-  args = _copy(one_slice, shm_dir)
+  args = rh.copy_run(one_slice, shm_dir)
   data = []
   for p in range(4):
-    with open(os.path.join(_process_dir(args, p), "step_5", "shards.bin"), "rb") as f:
+    with open(os.path.join(rh.process_dir(args, p), "step_5", "shards.bin"), "rb") as f:
       data.append(f.read())
   for j in range(4):
-    folder = os.path.join(_process_dir(args, j), "xor")
+    folder = os.path.join(rh.process_dir(args, j), "xor")
     assert sorted(os.listdir(folder)) == ["step_2", "step_3", "step_4", "step_5"]  # keep + 1
     body = xor_lib.read_group(os.path.join(folder, "step_5"))
     assert (body["group"], body["member"]) == ([0, 1, 2, 3], j)
@@ -91,16 +54,15 @@ def test_each_member_keeps_the_xor_of_the_others_chunks(one_slice, shm_dir):
     assert len(block) <= -(-max(len(d) for d in data) // 3)
 
 
-def test_a_lost_host_is_rebuilt_from_its_group(one_slice, shm_dir):
-  args = _copy(one_slice, shm_dir)
-  _wipe(args, 1)
-  got = _restart(args, 4, 1)
-  assert {p: r["source"] for p, r in got.items()} == {
-    0: "local",
-    1: "parity",
-    2: "local",
-    3: "local",
-  }
+def test_a_lost_host_is_rebuilt_from_its_group(one_slice, shm_dir, fault_matrix):
+  args = rh.copy_run(one_slice, shm_dir)
+  rh.wipe_hosts(args, 1)
+  got = rh.restart(args, 4, 1)
+  fault_matrix.check(
+    "redundancy.xor_host_lost",
+    rh.describe(got),
+    rh.outcome(got) == {p: (5, "parity" if p == 1 else "local", []) for p in range(4)},
+  )
   for r in got.values():
     assert (r["step"], r["bad"]) == (5, []), r
     p = r["process"]
@@ -108,47 +70,57 @@ def test_a_lost_host_is_rebuilt_from_its_group(one_slice, shm_dir):
     assert r["all_steps"][-3:] == [6, 7, 8], r
 
 
-def test_two_hosts_of_a_group_lost_fall_back_to_persistent(one_slice, shm_dir):
-  args = _copy(one_slice, shm_dir)
-  _wipe(args, 1, 2)
-  got = _restart(args, 4, 1)
-  for r in got.values():
-    assert (r["step"], r["source"], r["bad"]) == (3, "persistent", []), r
+def test_two_hosts_of_a_group_lost_fall_back_to_persistent(one_slice, shm_dir, fault_matrix):
+  args = rh.copy_run(one_slice, shm_dir)
+  rh.wipe_hosts(args, 1, 2)
+  got = rh.restart(args, 4, 1)
+  fault_matrix.check(
+    "redundancy.xor_two_lost",
+    rh.describe(got),
+    len(got) == 4
+    and all((r["step"], r["source"], r["bad"]) == (3, "persistent", []) for r in got.values()),
+  )
 
 
-def test_a_damaged_parity_block_is_skipped(one_slice, shm_dir):
-  args = _copy(one_slice, shm_dir)
-  _wipe(args, 1)
-  path = os.path.join(_process_dir(args, 2), "xor", "step_5", xor_lib.PARITY_FILE)
+def test_a_damaged_parity_block_is_skipped(one_slice, shm_dir, fault_matrix):
+  args = rh.copy_run(one_slice, shm_dir)
+  rh.wipe_hosts(args, 1)
+  path = os.path.join(rh.process_dir(args, 2), "xor", "step_5", xor_lib.PARITY_FILE)
   with open(path, "r+b") as f:  # member 2's block holds a chunk of member 1's step 5
     f.seek(7)
     byte = f.read(1)
     f.seek(7)
     f.write(bytes([byte[0] ^ 0x04]))
-  got = _restart(args, 4, 1)
-  for p, r in got.items():
-    assert (r["step"], r["bad"]) == (4, []), r  # step 5 skipped, step 4 rebuilt
-    assert r["source"] == ("parity" if p == 1 else "local"), r
+  got = rh.restart(args, 4, 1)
+  # step 5 skipped, step 4 rebuilt
+  fault_matrix.check(
+    "redundancy.xor_parity_damaged",
+    rh.describe(got),
+    rh.outcome(got) == {p: (4, "parity" if p == 1 else "local", []) for p in range(4)},
+  )
 
 
-def test_a_torn_group_file_is_not_used(one_slice, shm_dir):
-  args = _copy(one_slice, shm_dir)
-  _wipe(args, 1)
-  path = os.path.join(_process_dir(args, 3), "xor", "step_5", xor_lib.GROUP_FILE)
+def test_a_torn_group_file_is_not_used(one_slice, shm_dir, fault_matrix):
+  args = rh.copy_run(one_slice, shm_dir)
+  rh.wipe_hosts(args, 1)
+  path = os.path.join(rh.process_dir(args, 3), "xor", "step_5", xor_lib.GROUP_FILE)
   with open(path) as f:
     doc = json.load(f)
   doc["body"]["sizes"]["0"] += 1  # edited: its checksum no longer matches
   with open(path, "w") as f:
     json.dump(doc, f)
-  got = _restart(args, 4, 1)
-  for r in got.values():
-    assert (r["step"], r["bad"]) == (4, []), r
+  got = rh.restart(args, 4, 1)
+  fault_matrix.check(
+    "redundancy.xor_group_file_edited",
+    rh.describe(got),
+    rh.outcome(got) == {p: (4, "parity" if p == 1 else "local", []) for p in range(4)},
+  )
 
 
 def test_the_same_position_lost_in_every_slice_is_rebuilt(shm_dir):
   args = _save(shm_dir, 4, 2)  # 2 slices x 2 processes: groups of 2
-  _wipe(args, 1, 3)
-  got = _restart(args, 4, 2)
+  rh.wipe_hosts(args, 1, 3)
+  got = rh.restart(args, 4, 2)
   for p, r in got.items():
     assert (r["step"], r["bad"]) == (5, []), r
     assert r["source"] == ("parity" if p in (1, 3) else "local"), r

@@ -27,11 +27,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import hmac
 import json
 import logging
 import os
-import secrets
 import shutil
 import socket
 import threading
@@ -83,7 +81,7 @@ class _Pending:
     self.error: str | None = None
 
 
-class ParityReceiver:
+class ParityReceiver(stream.Listener):
   """Keeps this member's parity blocks: accumulates the chunks the other
   members send, writes the block once all k-1 arrived, answers them."""
 
@@ -102,54 +100,31 @@ class ParityReceiver:
     self._dir = xor_dir(process_dir)
     self._member, self._group = member, list(group)
     self._keep, self._timeout_s, self._prefix = keep, timeout_s, log_prefix
-    self._token = secrets.token_bytes(stream.TOKEN_BYTES)
     self._lock = threading.Lock()
     self._pending: dict[int, _Pending] = {}
-    self._sock = stream._listen(host, ports)  # noqa: SLF001 - one listener helper
-    self.host = host
-    self.port = self._sock.getsockname()[1]
-    self._stop = threading.Event()
-    self._thread = threading.Thread(target=self._accept, name="ec-xor-recv", daemon=True)
-    self._thread.start()
+    self._start(host, ports)
 
-  def offer(self) -> dict:
-    return {"host": self.host, "port": self.port, "token": self._token.hex()}
-
-  def _accept(self) -> None:
-    while not self._stop.is_set():
-      try:
-        conn, _ = self._sock.accept()
-      except TimeoutError:
-        continue
-      except OSError:
-        return
-      threading.Thread(target=self._serve, args=(conn,), name="ec-xor-in", daemon=True).start()
-
-  def _serve(self, conn: socket.socket) -> None:
-    with conn:
-      conn.settimeout(self._timeout_s)
-      try:
-        hello = stream._recv_bytes(conn, len(stream.MAGIC) + stream.TOKEN_BYTES)  # noqa: SLF001
-        if hello[: len(stream.MAGIC)] != stream.MAGIC or not hmac.compare_digest(
-          hello[len(stream.MAGIC) :], self._token
-        ):
-          logger.warning("%s xor: refused a connection without the token", self._prefix)
-          return
-        header = stream._recv_json(conn)  # noqa: SLF001
-        chunk = stream._recv_bytes(conn, int(header["length"]))  # noqa: SLF001
-        pending = self._add(header, chunk)
-        if not pending.done.wait(self._timeout_s):
-          raise TimeoutError(
-            f"step {header['step']}: chunks of members"
-            f" {sorted(set(range(pending.k)) - {self._member} - set(pending.seen))} never came"
-          )
-        if pending.error:
-          raise OSError(pending.error)
-        stream._send_json(conn, {"ok": True})  # noqa: SLF001
-      except Exception as e:  # noqa: BLE001 - the sender sees no "ok" and reports it
-        logger.warning("%s xor: a parity block was not stored: %s", self._prefix, e)
-        with contextlib.suppress(OSError):
-          stream._send_json(conn, {"error": str(e)})  # noqa: SLF001
+  def _handle(self, conn: socket.socket) -> None:
+    """One member's chunk of a step; answers once the block is durable."""
+    try:
+      header = stream._recv_json(conn)  # noqa: SLF001
+      chunk = stream._recv_bytes(conn, int(header["length"]))  # noqa: SLF001
+      pending = self._add(header, chunk)
+      if not pending.done.wait(self._timeout_s):
+        with self._lock:  # the step is given up: drop its accumulator
+          if self._pending.get(int(header["step"])) is pending:
+            del self._pending[int(header["step"])]
+        raise TimeoutError(
+          f"step {header['step']}: chunks of members"
+          f" {sorted(set(range(pending.k)) - {self._member} - set(pending.seen))} never came"
+        )
+      if pending.error:
+        raise OSError(pending.error)
+      stream._send_json(conn, {"ok": True})  # noqa: SLF001
+    except Exception as e:  # noqa: BLE001 - the sender sees no "ok" and reports it
+      logger.warning("%s xor: a parity block was not stored: %s", self._prefix, e)
+      with contextlib.suppress(OSError):
+        stream._send_json(conn, {"error": str(e)})  # noqa: SLF001
 
   def _add(self, header: dict, chunk: bytes) -> _Pending:
     step, i, k = int(header["step"]), int(header["member"]), len(self._group)
@@ -215,11 +190,6 @@ class ParityReceiver:
       gone = layout.rename_out_of_namespace(layout.local_step_dir(self._dir, older))
       if gone is not None:
         layout.remove_renamed(gone)
-
-  def close(self) -> None:
-    self._stop.set()
-    self._sock.close()
-    self._thread.join()
 
 
 def _signed(body: dict) -> bytes:
@@ -306,7 +276,6 @@ class RangeServer(stream.Server):
     self._timeout_s = timeout_s
     self._prefix = log_prefix
     self._step = step
-    self._token = secrets.token_bytes(stream.TOKEN_BYTES)
     self._files = dict(files)
     self._start(host, ports)
 
