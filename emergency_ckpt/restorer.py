@@ -54,7 +54,10 @@ class RestoreResult:
   """This process's own data_state of `step` (what get_state() returned, if
   an object was saved); None if the step was saved by another process count."""
   source: str
-  """Where this process's slice got the tensors: local, peer or persistent."""
+  """Where this process got the tensors: "local" (its own host's ramdisk),
+  "peer" (another slice, or other hosts' copies resharded onto this mesh),
+  "partner" / "parity" (a lost host rebuilt inside its slice:
+  local.redundancy), or "persistent"."""
 
 
 @dataclasses.dataclass(frozen=True)
