@@ -19,4 +19,4 @@ def save_then_list(args: dict) -> dict:
     for step in args["steps"]:
       mngr.save(step, sc.make_state(mesh, step), data_state=sc.data_state(step))
     mngr.wait_until_finished()
-    return {"all_steps": mngr.all_steps()}
+    return {"all_steps": mngr.all_steps(), "placement_problem": mngr.placement_problem}

@@ -133,3 +133,24 @@ def test_a_step_commits_only_once_its_partner_holds_it(shm_dir, required):
   ).check()
   want = [1, 2, 3] if not required else [1, 3]
   assert [r["all_steps"] for r in got] == [want, want], got
+
+
+@pytest.mark.parametrize("scheme", ["partner", "xor"])
+def test_a_partner_or_member_on_the_same_machine_is_named(shm_dir, scheme):
+  """Both processes on one machine (no host_id): no copy would survive
+  losing it. The manager says so (placement_problem, and a warning)."""
+  args = {
+    "slices": 1,
+    "local_root": os.path.join(shm_dir, "local"),
+    "persistent": os.path.join(shm_dir, "persistent"),
+    "steps": [1, 2],
+    "local_keep": 2,
+    "redundancy": scheme,
+  }
+  got = run_job("tests.redundancy_scenarios:save_then_list", 2, args, timeout_s=240).check()
+  for r in got:
+    problem = r["placement_problem"] or ""
+    assert f"local.redundancy='{scheme}'" in problem and "machine" in problem, r
+    # a partner on the same machine protects nothing: saves go on (partner
+    # sends none); an XOR group on one machine still keeps its blocks
+    assert r["all_steps"] == [1, 2], r
