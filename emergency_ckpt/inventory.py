@@ -77,6 +77,9 @@ class Inventory:
         step: [c.to_json() for _, c in found.values()]
         for step, found in self._local.copies().items()
       },
+      parity={
+        step: [b.to_json() for b in found.values()] for step, found in self._local.parity().items()
+      },
     )
     return gather(self._collectives, inv, name)
 

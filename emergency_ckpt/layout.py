@@ -65,6 +65,8 @@ SPARE_PREFIX = ".tmp-spare-"
 DELETING_LOCAL_PREFIX = ".tmp-delete-"
 PARTNER_DIR = "partner"
 """In a process folder: the steps its partners sent it (peer/partner.py)."""
+XOR_DIR = "xor"
+"""In a process folder: its XOR parity blocks (peer/xor.py)."""
 OWNER_FILE = ".owner"
 """In a process folder: flock()ed by the process using it, so another process
 on the host never takes a live folder's copies as its own (local_owner)."""
@@ -177,7 +179,7 @@ def _scan_process(proc_dir: str) -> tuple[dict[int, str], dict[int, str], list[s
       unmarked[step] = path
     elif is_tmp_name(name):
       tmp.append(path)
-    elif name in (OWNER_FILE, PARTNER_DIR):
+    elif name in (OWNER_FILE, PARTNER_DIR, XOR_DIR):
       continue
     else:
       strays.append(path)

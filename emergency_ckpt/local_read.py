@@ -35,7 +35,7 @@ def read_step(
   shape or dtype differ)."""
   body = local_format.read_manifest(where)
   if abstract is None:
-    return LocalStep(body["step"], body, _every_shard(body, _map(where, body, on_map), where))
+    return LocalStep(body["step"], body, verify_buffer(body, _map(where, body, on_map), where))
   if paths is None:
     paths, abstract, _ = shards_lib.leaf_paths(abstract)
   compat.check_tree([leaf["path"] for leaf in body["leaves"]], paths, where)
@@ -51,8 +51,10 @@ def _map(where: str, body: dict, on_map) -> Any:
     return local_format.map_open(f, body["nbytes"], where)
 
 
-def _every_shard(body: dict, buf: Any, where: str) -> list[dict[tuple, Any]]:
-  """Per saved leaf, {index: shard array} of every shard, each verified."""
+def verify_buffer(body: dict, buf: Any, where: str) -> list[dict[tuple, Any]]:
+  """Per saved leaf of the manifest `body`, {index: shard array} of every
+  shard in `buf` (a step's shards.bin bytes), each verified; raises
+  CorruptCheckpointError naming `where`."""
   out = []
   for leaf in body["leaves"]:
     dtype = shards_lib.dtype_from_name(leaf["dtype"])

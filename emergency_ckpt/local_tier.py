@@ -62,6 +62,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+import crc32c
+
 from emergency_ckpt import failpoints, layout, local_format, local_owner, local_read
 from emergency_ckpt import topology as topology_lib
 from emergency_ckpt.background import Background
@@ -71,6 +73,7 @@ from emergency_ckpt.errors import (
 )
 from emergency_ckpt.local_format import LocalStep
 from emergency_ckpt.options import LocalTierOptions
+from emergency_ckpt.peer import xor as xor_lib
 from emergency_ckpt.staging import HostSnapshot
 from emergency_ckpt.topology import Topology
 
@@ -151,6 +154,21 @@ class Copy:
 
 
 @dataclasses.dataclass(frozen=True)
+class Parity:
+  """An XOR parity block on this host (peer/xor.py), of `copy.process`."""
+
+  where: str
+  copy: Copy
+  group: list[int]
+  """Its group's slice positions, in group order."""
+  body: dict
+  """Its group.json: group (processes), member, sizes, manifests."""
+
+  def to_json(self) -> list:
+    return [*self.copy.to_json()[:5], self.group]
+
+
+@dataclasses.dataclass(frozen=True)
 class WriteResult:
   step: int
   ok: bool
@@ -193,6 +211,7 @@ class LocalTier:
     self._mapped: set[tuple[int, int]] = set()  # (st_dev, st_ino) of files read() mapped
     self._sources: dict[int, str] = {}  # step -> the folder usable_steps() found it in
     self._copies: dict[int, dict[int, tuple[str, Copy]]] = {}  # see copies()
+    self._parity: dict[int, dict[int, Parity]] = {}  # see parity()
     self._colocated: set[int] = set()  # this job's processes on this machine (set_colocated)
     self._closed = False
     # Orbax's checkpointer API over this folder alone (local_handler.py),
@@ -304,6 +323,7 @@ class LocalTier:
           copies.setdefault(step, {}).setdefault(copy.process, (where, copy))
     self._sources = sources
     self._copies = copies
+    self._parity = self._find_parity(folders)
     adopted = self.adopted_steps()
     if adopted:
       logger.info(
@@ -313,6 +333,36 @@ class LocalTier:
         sorted(adopted),
       )
     return sorted(good), bad
+
+  def parity(self) -> dict[int, dict[int, Parity]]:
+    """{step: {saved process: Parity}} of the XOR parity blocks usable_steps()
+    found in this host's process folders (peer/xor.py)."""
+    return self._parity
+
+  def _find_parity(self, folders: Sequence[str]) -> dict[int, dict[int, Parity]]:
+    out: dict[int, dict[int, Parity]] = {}
+    for folder in folders:
+      root = os.path.join(folder, layout.XOR_DIR)
+      for step in xor_lib.parity_steps(root):
+        where = layout.local_step_dir(root, step)
+        try:
+          body = xor_lib.read_group(where)
+          group = [int(p) for p in body["group"]]
+          process = group[int(body["member"])]
+          some = local_format.decode_manifest(
+            bytes.fromhex(next(iter(body["manifests"].values()))), where
+          )
+        except (OSError, CorruptCheckpointError, KeyError, TypeError, ValueError, StopIteration):
+          continue  # checked again if a rebuild needs it
+        if some.get("run_id") != self._run_id:
+          continue
+        copy = Copy.of({**some, "process_index": process})
+        fp = some.get("topology") or {}
+        positions = [topology_lib.slice_position_of(fp, p) for p in group]
+        if copy is None or None in positions:
+          continue
+        out.setdefault(step, {}).setdefault(process, Parity(where, copy, positions, body))
+    return out
 
   def copies(self) -> dict[int, dict[int, tuple[str, Copy]]]:
     """{step: {saved process: (folder, Copy)}} of every copy of this run
@@ -493,6 +543,27 @@ class LocalTier:
     if os.path.islink(where) or not os.path.isdir(where):
       raise CorruptCheckpointError(f"{where} is not a step folder the local tier wrote")
     return local_read.read_step(where, on_map=self._note_mapped)
+
+  def xor_files(self, where: str, parity: Parity) -> dict[tuple[int, str], Any]:
+    """{(process, "data"): the copy's shards.bin in `where`, (process,
+    "parity"): its parity block}, mapped (never recycled afterwards); the
+    block checked against its CRC32C. Raises OSError or
+    CorruptCheckpointError."""
+    out = {}
+    for kind, path in (
+      ("data", os.path.join(where, local_format.SHARDS)),
+      ("parity", os.path.join(parity.where, xor_lib.PARITY_FILE)),
+    ):
+      with open(path, "rb") as f:
+        st = os.fstat(f.fileno())
+        self._note_mapped(st)
+        out[(parity.copy.process, kind)] = local_format.map_open(f, st.st_size, where)
+    block = out[(parity.copy.process, "parity")]
+    if len(block) != parity.body.get("parity_nbytes") or crc32c.crc32c(block) != parity.body.get(
+      "parity_crc32c"
+    ):
+      raise CorruptCheckpointError(f"{parity.where}/{xor_lib.PARITY_FILE} fails its checksum")
+    return out
 
   def _note_mapped(self, st: os.stat_result) -> None:
     with self._spare_lock:

@@ -197,13 +197,17 @@ class CheckpointManager:
 
   @property
   def placement_problem(self) -> str | None:
-    """None if no machine runs processes of two slices (or before the first
-        restore() / all_steps() / latest_step(), after which the processes of each
-    machine compare their slices once);
-        else what is shared and how to fix it (also logged as a warning by the
-        primary process, and recorded in the event log). The same on every
-        process."""
-    return self._inventory.placement_problem
+    """None if no machine runs processes of two slices (checked at the
+    first restore() / all_steps() / latest_step(): the processes of each
+    machine compare their slices once) and, with local.redundancy, this
+    process's partner or XOR group members run on other machines (checked
+    at construction); else what is shared and how to fix it (also logged
+    as a warning; a shared slice is recorded in the event log)."""
+    problems = [
+      self._inventory.placement_problem,
+      None if self._redundancy is None else self._redundancy.problem,
+    ]
+    return "; ".join(p for p in problems if p) or None
 
   @property
   def local_directory(self) -> str:

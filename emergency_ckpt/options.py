@@ -56,7 +56,7 @@ BEST_MODES = ("min", "max")
 PEER_TRANSPORTS = ("stream", "collective")
 
 
-REDUNDANCY = ("none", "partner")
+REDUNDANCY = ("none", "partner", "xor")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -102,12 +102,22 @@ class LocalTierOptions:
   its own copy: 2x ramdisk memory; survives any loss that never takes a
   process and its partner together. Restore then rebuilds a lost host from
   its partner's copy (`r.source == "partner"`) before the persistent tier.
-  ("xor" parity is not built yet: issue 18.)"""
+  "xor": the slice's processes form groups of up to redundancy_group_size
+  members on distinct machines; each member keeps an XOR parity block of
+  the others' steps (1/(k-1) of a step extra for a group of k) and any one
+  member lost per group is rebuilt from the other k-1 (`r.source ==
+  "parity"`)."""
+
+  redundancy_group_size: int = 8
+  """With "xor": the most members per group (at least 2; fewer if the slice
+  spans fewer machines). Larger groups cost less memory (1/(k-1)) but
+  survive one loss among more hosts, and a rebuild reads k-1 hosts."""
 
   redundancy_required: bool = True
   """With a redundancy scheme: a step commits only once its partner holds
-  its copy (False: it may commit before, or without it, if the partner is
-  unreachable; the step is then not protected against a host loss)."""
+  its copy, or its group's parity blocks hold its chunks (False: it may
+  commit without them if a partner or member is unreachable; the step is
+  then not protected against a host loss)."""
 
   def __post_init__(self):
     _require(
@@ -125,8 +135,13 @@ class LocalTierOptions:
     _positive_int(self.staging_buffers, "local.staging_buffers")
     _require(
       self.redundancy in REDUNDANCY,
-      f"local.redundancy={self.redundancy!r} is not one of {', '.join(REDUNDANCY)}"
-      " (xor parity is not built yet).",
+      f"local.redundancy={self.redundancy!r} is not one of {', '.join(REDUNDANCY)}.",
+    )
+    _require(
+      isinstance(self.redundancy_group_size, int)
+      and not isinstance(self.redundancy_group_size, bool)
+      and self.redundancy_group_size >= 2,
+      f"local.redundancy_group_size must be an integer >= 2, got {self.redundancy_group_size!r}.",
     )
     _require(
       isinstance(self.redundancy_required, bool),

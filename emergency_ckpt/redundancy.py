@@ -4,10 +4,16 @@ whose step, and sending it there after each local write.
 "partner" (peer/partner.py): every process keeps a receiver open and sends
 each local step to its partner, the next process of its slice on another
 machine. Set up once per manager (a collective: which processes share this
-machine, then the partner's address); each send runs on the "redundancy"
-lane, after the local write and before this process's state file, so a
-step commits only once its partner holds it (unless
-local.redundancy_required is False).
+machine, then the partner's address).
+
+"xor" (peer/xor.py, xor_parity.py): the slice's processes form groups on
+distinct machines (a collective within the slice: each process's machine),
+every member keeps a parity receiver open and sends each local step's
+chunks to the other members (their addresses: one more collective).
+
+Either way each send runs on the "redundancy" lane, after the local write
+and before this process's state file, so a step commits only once it is
+protected (unless local.redundancy_required is False).
 
 Called by: the manager (start, close) and the save pipeline (protect).
 """
@@ -17,7 +23,9 @@ from __future__ import annotations
 import logging
 import time
 
+from emergency_ckpt import xor_parity
 from emergency_ckpt.peer import partner as partner_lib
+from emergency_ckpt.peer import xor as xor_lib
 from emergency_ckpt.topology import peer_host
 
 logger = logging.getLogger("emergency_ckpt")
@@ -57,6 +65,11 @@ class Partner:
     got = collectives.exchange_some("partner_offer", self.receiver.offer(), wanted=wanted)
     self._offer = got.get(self.partner)
 
+  @property
+  def active(self) -> bool:
+    """Whether this process's steps are protected (it has a partner)."""
+    return self.partner is not None
+
   def send(self, step_dir: str) -> tuple[int, float]:
     """Sends one local step folder to the partner and waits until it is
     durable there: (bytes, seconds). Raises PeerTransferError or OSError.
@@ -69,11 +82,79 @@ class Partner:
     self.receiver.close()
 
 
-def start(options, *, topology, collectives, process_dir: str, host_label: str) -> Partner | None:
+class Xor:
+  """This process's XOR group: its parity receiver, and where its chunks go."""
+
+  def __init__(self, options, *, topology, collectives, process_dir: str, host_label: str):
+    """Called by: every process (two collectives: an exchange within the
+    slice, exchange_some)."""
+    me = topology.process_index
+    self._prefix = topology.log_prefix()
+    self._timeout_s = options.collective_timeout_s
+    procs = topology.slice_processes[topology.slice_index]
+    machines = collectives.exchange(
+      f"xor_hosts_{topology.slice_index}", host_label, processes=procs
+    )
+    groups = xor_parity.groups(procs, machines, options.local.redundancy_group_size)
+    self.group = next(g for g in groups if me in g)
+    self.member = self.group.index(me)
+    self.problem: str | None = None
+    shared = xor_parity.shared_machines(self.group, machines)
+    if len(self.group) < 2 or shared:
+      self.problem = (
+        f"local.redundancy='xor': XOR group {self.group} of slice {topology.slice_index}"
+        f" has processes {shared or self.group} on a machine another member runs on, so"
+        " losing that machine loses two members (not rebuildable); spread the slice over"
+        " more machines, lower local.redundancy_group_size, or use 'partner'."
+      )
+      logger.warning("%s %s", self._prefix, self.problem)
+    self.receiver = xor_lib.ParityReceiver(
+      process_dir,
+      peer_host(options.peer.host),
+      member=self.member,
+      group=self.group,
+      keep=options.local.max_to_keep + 1,
+      timeout_s=options.collective_timeout_s,
+      log_prefix=self._prefix,
+      ports=options.peer.port_range,
+    )
+    others = [p for p in self.group if p != me]
+    self._offers = collectives.exchange_some("xor_offer", self.receiver.offer(), wanted=others)
+
+  @property
+  def active(self) -> bool:
+    return len(self.group) >= 2
+
+  def send(self, step_dir: str) -> tuple[int, float]:
+    """Sends this member's chunks of one local step folder to the group and
+    waits until every parity block holding them is durable: (bytes,
+    seconds). Raises PeerTransferError or OSError. Called by: the
+    redundancy lane."""
+    t0 = time.perf_counter()
+    nbytes = xor_lib.send(
+      self._offers, self.group, self.member, step_dir, timeout_s=self._timeout_s
+    )
+    return nbytes, time.perf_counter() - t0
+
+  def close(self) -> None:
+    self.receiver.close()
+
+
+def start(
+  options, *, topology, collectives, process_dir: str, host_label: str
+) -> Partner | Xor | None:
   """The redundancy link `options.local.redundancy` asks for (None: none).
   Called by: every process, the same options everywhere."""
   if options.local.redundancy == "none" or topology.process_count == 1:
     return None
+  if options.local.redundancy == "xor":
+    return Xor(
+      options,
+      topology=topology,
+      collectives=collectives,
+      process_dir=process_dir,
+      host_label=host_label,
+    )
   return Partner(
     options,
     topology=topology,

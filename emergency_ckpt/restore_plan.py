@@ -15,6 +15,8 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from emergency_ckpt import holdings
+
 LOCAL, PEER, PERSISTENT = "local", "peer", "persistent"
 RESHARD = "reshard"
 """A plan's source when the ramdisk copies were written on another mesh:
@@ -36,7 +38,11 @@ class Inventory:
   copies: Mapping[int, Sequence[Sequence]] = dataclasses.field(default_factory=dict)
   """{step: [[topology digest, saved process, saved slice, slice position,
   saved slice size, 1 if a partner copy else 0], ...]} of the copies on
-  this host (local_tier.Copy)."""
+  this host (local_tier.Copy; holdings.py)."""
+  parity: Mapping[int, Sequence[Sequence]] = dataclasses.field(default_factory=dict)
+  """{step: [[topology digest, saved process, saved slice, slice position,
+  saved slice size, [its XOR group's positions]], ...]} of the parity
+  blocks on this host (holdings.py)."""
 
   def to_json(self) -> dict[str, Any]:
     return {
@@ -44,6 +50,7 @@ class Inventory:
       "slice": self.slice,
       "local_steps": list(self.local_steps),
       "copies": {str(k): [list(c) for c in v] for k, v in self.copies.items()},
+      "parity": {str(k): [list(c) for c in v] for k, v in self.parity.items()},
       "local_rejected": {str(k): v for k, v in self.local_rejected.items()},
       "persistent_steps": None if self.persistent_steps is None else list(self.persistent_steps),
       "state_steps": None if self.state_steps is None else list(self.state_steps),
@@ -60,6 +67,7 @@ class Inventory:
       persistent_steps=opt(d.get("persistent_steps")),
       state_steps=opt(d.get("state_steps")),
       copies={int(k): [tuple(c) for c in v] for k, v in d.get("copies", {}).items()},
+      parity={int(k): [tuple(c) for c in v] for k, v in d.get("parity", {}).items()},
     )
 
 
@@ -75,6 +83,12 @@ class Candidate:
   reshard_topology: str | None = None
   reshard_partner: Mapping[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
   """{saved slice: positions only partner copies hold} (peer/partner.py)."""
+  reshard_parity: Mapping[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+  """{saved slice: positions only an XOR rebuild provides} (peer/xor.py)."""
+  reshard_groups: Mapping[int, tuple[tuple[int, ...], ...]] = dataclasses.field(
+    default_factory=dict
+  )
+  """{saved slice: its XOR groups, as positions}."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +136,10 @@ class RestorePlan:
   """With sources RESHARD: the saved slices that serve."""
   reshard_partner: tuple[tuple[int, ...], ...] = ()
   """Per reshard slice: the positions only partner copies hold."""
+  reshard_parity: tuple[tuple[int, ...], ...] = ()
+  """Per reshard slice: the positions rebuilt from XOR parity."""
+  reshard_groups: tuple[tuple[tuple[int, ...], ...], ...] = ()
+  """Per reshard slice: its XOR groups (positions)."""
 
 
 REJECTED_SHOWN = 16
@@ -137,9 +155,9 @@ def slice_summary(slice_index: int, values: Mapping[int, Mapping], expected: int
   some: dict[int, int] = {}
   rejected: list[str] = []
   out: dict[str, Any] = {"slice": slice_index}
-  copies: dict[str, dict[str, dict[str, Any]]] = {}
+  copies: dict = {}
   for process, inv in sorted(values.items()):
-    _add_copies(copies, inv.get("copies", {}))
+    holdings.add_report(copies, inv.get("copies", {}), inv.get("parity", {}))
     steps = inv["local_steps"]
     held = set(steps) if held is None else held.intersection(steps)
     for step in steps:
@@ -157,44 +175,9 @@ def slice_summary(slice_index: int, values: Mapping[int, Mapping], expected: int
     some={str(step): n for step, n in sorted(some.items()) if step not in held},
     rejected=rejected[:REJECTED_SHOWN],
     rejected_count=len(rejected),
-    copies=_pack_copies(copies),
+    copies=holdings.pack(copies),
   )
   return out
-
-
-def _add_copies(into: dict, copies: Mapping[str, Any]) -> None:
-  """Adds an inventory's copies ({step: [[topology, process, slice,
-  position, size, partner]]}) or a summary's ({step: {topology: {slice:
-  [size, position ranges, ranges of positions held by own copies]}}}) to
-  `into` ({step: {topology: {slice: [size, positions, own positions]}}})."""
-  for step, found in copies.items():
-    by_topo = into.setdefault(str(step), {})
-    if isinstance(found, Mapping):
-      for topo, slices in found.items():
-        for sl, (size, runs, own) in slices.items():
-          entry = by_topo.setdefault(topo, {}).setdefault(str(sl), [size, set(), set()])
-          entry[1].update(p for a, b in runs for p in range(a, b + 1))
-          entry[2].update(p for a, b in own for p in range(a, b + 1))
-      continue
-    for topo, _process, sl, position, size, *partner in found:
-      entry = by_topo.setdefault(topo, {}).setdefault(str(sl), [size, set(), set()])
-      entry[1].add(position)
-      if not (partner and partner[0]):
-        entry[2].add(position)
-
-
-def _pack_copies(copies: Mapping[str, Any]) -> dict:
-  """_add_copies' result as JSON: positions as ranges."""
-  return {
-    step: {
-      topo: {
-        sl: [size, _ranges(sorted(pos)), _ranges(sorted(own))]
-        for sl, (size, pos, own) in slices.items()
-      }
-      for topo, slices in by_topo.items()
-    }
-    for step, by_topo in copies.items()
-  }
 
 
 def job_summary(summaries: Mapping[int, Mapping], num_slices: int) -> dict:
@@ -210,7 +193,7 @@ def job_summary(summaries: Mapping[int, Mapping], num_slices: int) -> dict:
   copies: dict = {}
   for s in range(num_slices):
     summ = summaries.get(s) or {}
-    _add_copies(copies, summ.get("copies", {}))
+    holdings.add_summary(copies, summ.get("copies", {}))
     for step in summ.get("held", ()):
       held.setdefault(step, []).append(s)
     for step, n in summ.get("some", {}).items():
@@ -222,45 +205,13 @@ def job_summary(summaries: Mapping[int, Mapping], num_slices: int) -> dict:
       shared = {k: summ[k] for k in shared}
   return {
     "slices": num_slices,
-    "held": {str(step): _ranges(sl) for step, sl in sorted(held.items())},
+    "held": {str(step): holdings.ranges(sl) for step, sl in sorted(held.items())},
     "partial": partial,
     "rejected": rejected,
     "rejected_count": rejected_count,
-    "reshard": _complete_copies(copies),
+    "reshard": holdings.complete(copies),
     **shared,
   }
-
-
-def _complete_copies(copies: Mapping[str, Any]) -> dict:
-  """{step: [topology, saved slices whose every position is held, {saved
-  slice: positions only partner copies hold}]} for the steps some saved
-  slice is complete for (the topology with most such)."""
-  out = {}
-  for step, by_topo in copies.items():
-    best = None
-    for topo, slices in sorted(by_topo.items()):
-      whole = sorted(int(sl) for sl, (size, pos, _) in slices.items() if len(pos) == size)
-      if whole and (best is None or len(whole) > len(best[1])):
-        partner_only = {
-          str(s): sorted(slices[str(s)][1] - slices[str(s)][2])
-          for s in whole
-          if slices[str(s)][1] - slices[str(s)][2]
-        }
-        best = [topo, whole, partner_only]
-    if best is not None:
-      out[step] = best
-  return out
-
-
-def _ranges(values: Sequence[int]) -> list[list[int]]:
-  """Sorted ints as [first, last] runs: [0, 1, 2, 5] -> [[0, 2], [5, 5]]."""
-  out: list[list[int]] = []
-  for v in values:
-    if out and out[-1][1] == v - 1:
-      out[-1][1] = v
-    else:
-      out.append([v, v])
-  return out
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -276,11 +227,9 @@ class JobInventory:
   partial: tuple[str, ...] = ()
   rejected: tuple[str, ...] = ()
   rejected_count: int = 0
-  reshard: Mapping[int, tuple[str, tuple[int, ...], Mapping[int, tuple[int, ...]]]] = (
-    dataclasses.field(default_factory=dict)
-  )
-  """{step: (topology digest, complete saved slices, {saved slice:
-  positions only partner copies hold})} (Candidate.reshard)."""
+  reshard: Mapping[int, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
+  """{step: holdings.complete's entry} of the saved slices the ramdisks
+  serve whole (Candidate.reshard)."""
 
   @classmethod
   def from_json(cls, d: Mapping[str, Any]) -> JobInventory:
@@ -295,10 +244,7 @@ class JobInventory:
       partial=tuple(d.get("partial", ())),
       rejected=tuple(d.get("rejected", ())),
       rejected_count=d.get("rejected_count", 0),
-      reshard={
-        int(k): (v[0], tuple(v[1]), {int(s): tuple(p) for s, p in v[2].items()})
-        for k, v in d.get("reshard", {}).items()
-      },
+      reshard={int(k): v for k, v in d.get("reshard", {}).items()},
     )
 
 
@@ -325,10 +271,26 @@ def candidates(job: JobInventory, *, step: int | None = None) -> list[Candidate]
     if step is not None and s != step:
       continue
     local = job.held.get(s, ())
-    topo, reshard, partner = job.reshard.get(s, (None, (), {}))
+    r = job.reshard.get(s) or {}
+    reshard = tuple(r.get("slices", ()))
     if local or s in persistent or reshard:
-      out.append(Candidate(s, local, s in persistent, reshard, topo, partner))
+      out.append(
+        Candidate(
+          s,
+          local,
+          s in persistent,
+          reshard,
+          r.get("topology"),
+          _per_slice(r, "partner_only"),
+          _per_slice(r, "parity_only"),
+          {int(k): tuple(tuple(g) for g in v) for k, v in r.get("groups", {}).items()},
+        )
+      )
   return out
+
+
+def _per_slice(r: Mapping[str, Any], key: str) -> dict[int, tuple[int, ...]]:
+  return {int(k): tuple(v) for k, v in r.get(key, {}).items()}
 
 
 def decide(
@@ -348,8 +310,15 @@ def decide(
   bad = {s for st in statuses.values() for s in st.reshard_bad}
   reshard = tuple(s for s in cand.reshard if s not in bad)
   if reshard and not cand.local_slices:
-    partner = tuple(tuple(cand.reshard_partner.get(s, ())) for s in reshard)
-    return RestorePlan(cand.step, (RESHARD,) * len(slice_processes), None, reshard, partner)
+    return RestorePlan(
+      cand.step,
+      (RESHARD,) * len(slice_processes),
+      None,
+      reshard,
+      tuple(cand.reshard_partner.get(s, ()) for s in reshard),
+      tuple(cand.reshard_parity.get(s, ()) for s in reshard),
+      tuple(cand.reshard_groups.get(s, ()) for s in reshard),
+    )
   if cand.in_persistent:
     return RestorePlan(cand.step, (PERSISTENT,) * len(slice_processes), None)
   return None

@@ -54,7 +54,10 @@ class RestoreResult:
   """This process's own data_state of `step` (what get_state() returned, if
   an object was saved); None if the step was saved by another process count."""
   source: str
-  """Where this process's slice got the tensors: local, peer or persistent."""
+  """Where this process got the tensors: "local" (its own host's ramdisk),
+  "peer" (another slice, or other hosts' copies resharded onto this mesh),
+  "partner" / "parity" (a lost host rebuilt inside its slice:
+  local.redundancy), or "persistent"."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,7 +298,7 @@ class Restorer:
     topo = self._topology
     shapes = [tuple(a.shape) for a in abstract]
     dtypes = [shards_lib.dtype_name(a.dtype) for a in abstract]
-    out = _Copies({}, None, [], set())
+    out = _Copies({}, None, [], set(), {}, {})
     bad: set[int] = set()
     for process, (where, copy) in sorted(self._local.copies().get(cand.step, {}).items()):
       if copy.topology != cand.reshard_topology or copy.slice not in cand.reshard:
@@ -320,6 +323,15 @@ class Restorer:
       out.copies[process] = dataclasses.replace(step, arrays=[by_path[p] for p in paths])
       if copy.partner:
         out.partner.add(process)
+      elif cand.reshard_parity.get(copy.slice):  # a group of its slice needs a rebuild
+        parity = self._local.parity().get(cand.step, {}).get(process)
+        if parity is not None and parity.copy.topology == copy.topology:
+          try:
+            out.xor_files.update(self._local.xor_files(where, parity))
+            out.xor_groups[process] = parity.body
+          except (OSError, CorruptCheckpointError) as e:
+            logger.warning("%s parity block %s unusable: %s", topo.log_prefix(), parity.where, e)
+            bad.add(copy.slice)
       out.layout = layout.to_json()
       out.slice_processes = step.manifest["topology"]["slice_processes"]
     return out, tuple(sorted(bad))
@@ -329,7 +341,7 @@ class Restorer:
     many processes saved the step (its COMMIT, read by _try_load)."""
     topo = self._topology
     if plan.reshard_slices:
-      copies = local if local is not None else _Copies({}, None, [], set())
+      copies = local if local is not None else _Copies({}, None, [], set(), {}, {})
       saved = None
       if copies.layout is not None:
         sources = [copies.slice_processes[s] for s in plan.reshard_slices]
@@ -342,6 +354,10 @@ class Restorer:
         saved,
         partner_held=copies.partner,
         partner_only=plan.reshard_partner,
+        parity_only=plan.reshard_parity,
+        groups=plan.reshard_groups,
+        xor_files=copies.xor_files,
+        xor_groups=copies.xor_groups,
         topology=topo,
         collectives=self._collectives,
         host=peer_host(self._options.peer.host) if copies.copies else None,
@@ -433,6 +449,10 @@ class _Copies:
   """The saved topology's slice_processes."""
   partner: set[int]
   """Saved processes whose copy here came from them as their partner."""
+  xor_files: dict
+  """{(saved process, "data" | "parity"): bytes} for XOR rebuilds."""
+  xor_groups: dict
+  """{saved process: its parity block's group.json body}."""
 
 
 class _Damaged(Exception):

@@ -210,7 +210,7 @@ class SavePipeline:
   ) -> None:
     self.durable(result.step, "local", result.nbytes, result.error)
     link = self._redundancy
-    if result.ok and link is not None and link.partner is not None:
+    if result.ok and link is not None and link.active:
       # The partner's copy first, then the state file: the step commits
       # once its partner holds it.
       self._background.submit("redundancy", self._protect, result.step, data_state, sums)
@@ -226,14 +226,14 @@ class SavePipeline:
     try:
       nbytes, _ = self._redundancy.send(self._local.step_dir(step))
     except (OSError, PeerTransferError) as e:
-      self.durable(step, "partner", None, f"{type(e).__name__}: {e}")
+      self.durable(step, self._options.local.redundancy, None, f"{type(e).__name__}: {e}")
       if self._options.local.redundancy_required:
         logger.error(
-          "%s step %d will not commit: partner process %d did not store its copy (%s);"
+          "%s step %d will not commit: its %s copy was not stored (%s);"
           " local.redundancy_required=False lets steps commit without it",
           self._topology.log_prefix(),
           step,
-          self._redundancy.partner,
+          self._options.local.redundancy,
           e,
         )
         if sums is not None:  # lets go of the snapshot
@@ -241,7 +241,7 @@ class SavePipeline:
           release()
         return
     else:
-      self.durable(step, "partner", nbytes)
+      self.durable(step, self._options.local.redundancy, nbytes)
     self._queue_state(step, data_state, sums, written=True)
 
   def _queue_state(

@@ -18,10 +18,12 @@ Event schema (what the manager records; trainers may add their own events,
 e.g. "train_step" with step and duration_s):
   run_start     run_id, topology, optionally wall_start (unix s the job began)
   save          step, tiers (["local", "persistent"]), bytes, stall_s
-  save_durable  step, tier ("local" | "persistent" | "state"), durable_s, bytes, error
+  save_durable  step, tier ("local" | "partner" | "xor" | "persistent" | "state"),
+                durable_s, bytes, error
   save_failed   step, tier, error
-  restore       step, source ("local" | "peer" | "persistent"), duration_s, bytes,
-                error, tried (steps rejected before this one)
+  restore       step, source ("local" | "peer" | "partner" | "parity" |
+                "persistent"), duration_s, bytes, error, tried (steps
+                rejected before this one)
 
 Recording never raises on I/O failure: the first failure is logged as a
 warning and the event still goes to the logger.

@@ -36,6 +36,8 @@ FAULT_TESTS = [
   "tests/test_persistent_verify.py",
   "tests/test_persistent_shared_read.py",
   "tests/test_elastic_reshard.py",
+  "tests/test_partner_redundancy.py",
+  "tests/test_xor_redundancy.py",
 ]
 BITFLIP_TEST = "tests/test_local_tier.py::test_random_bit_flips_are_never_silent"
 
@@ -318,6 +320,43 @@ SCENARIOS: list[Scenario] = [
     "restart.other_slice_count_local_only",
     "as above, persistent tier deleted",
     "step 5 from the ramdisk copies alone, resharded, bit-exact: no persistent read needed",
+  ),
+  _s(
+    "redundancy.partner_host_lost",
+    "1 slice x 4 processes, local.redundancy=partner; host 1's ramdisk wiped",
+    "step 5 (the newest) restored bit-exactly, process 1 from its partner's copy on host 2,"
+    " no persistent read",
+  ),
+  _s(
+    "redundancy.partner_damaged",
+    "as above, plus one bit flipped in the partner's copy of step 5",
+    "the copy fails its checksum: step 4 from the partner's copy, bit-exact",
+  ),
+  _s(
+    "redundancy.partner_pair_lost",
+    "as above, hosts 1 and 2 (a process and its partner) wiped",
+    "step 3 from the persistent tier, bit-exact",
+  ),
+  _s(
+    "redundancy.xor_host_lost",
+    "1 slice x 4 processes, local.redundancy=xor (one group of 4); host 1's ramdisk wiped",
+    "step 5 restored bit-exactly, process 1 rebuilt from the 3 others' data and parity,"
+    " no persistent read",
+  ),
+  _s(
+    "redundancy.xor_parity_damaged",
+    "as above, plus one bit flipped in member 2's parity block of step 5",
+    "the block fails its checksum: step 4, rebuilt, bit-exact",
+  ),
+  _s(
+    "redundancy.xor_group_file_edited",
+    "as above, member 3's group.json of step 5 edited instead",
+    "the file fails its checksum: step 4, rebuilt, bit-exact",
+  ),
+  _s(
+    "redundancy.xor_two_lost",
+    "as above, hosts 1 and 2 (two members of the group) wiped",
+    "step 3 from the persistent tier, bit-exact",
   ),
   _s(
     "reshard.damaged_copy",

@@ -12,12 +12,11 @@ Real jax.distributed jobs, real files on /dev/shm.
 from __future__ import annotations
 
 import os
-import shutil
 
 import pytest
 
 from emergency_ckpt import local_format
-from emergency_ckpt.testing.launcher import run_job
+from tests import restart_helpers as rh
 from tests import scenarios as sc
 from tests.conftest import _fresh_shm_dir
 
@@ -26,50 +25,15 @@ from tests.conftest import _fresh_shm_dir
 def saved():
   """The saved run's folders, on /dev/shm (each test restarts on a copy)."""
   for root in _fresh_shm_dir("ectest-reshard-"):
-    yield _save(root)
-
-
-def _save(root: str) -> dict:
-  args = {
-    "slices": 2,
-    "local_root": os.path.join(root, "local"),
-    "persistent": os.path.join(root, "persistent"),
-    "steps": [1, 2, 3, 4, 5],
-    "persistent_interval": 3,
-    "local_keep": 3,
-  }
-  run_job("tests.scenarios:save_steps", 4, args, timeout_s=240).check()
-  return args
-
-
-def _copy(saved: dict, dest: str) -> dict:
-  args = dict(saved)
-  for key in ("local_root", "persistent"):
-    args[key] = os.path.join(dest, os.path.basename(saved[key]))
-    shutil.copytree(saved[key], args[key], symlinks=True)
-  return args
+    yield rh.save_run(root, 4, 2)
 
 
 def _restart(args: dict, processes: int, slices: int) -> dict[int, dict]:
-  args = dict(args, slices=slices, then_save=[6, 7, 8])
-  results = run_job(
-    "tests.elastic_scenarios:restore_then_save",
-    processes,
-    args,
-    devices_per_process=1,
-    timeout_s=240,
-  ).check()
-  return {r["process"]: r for r in results}
-
-
-def _step_dir(args: dict, host: int, process: int, step: int) -> str:
-  return os.path.join(
-    args["local_root"], f"host_{host}", "test-run", f"process_{process}", f"step_{step}"
-  )
+  return rh.restart(args, processes, slices, devices_per_process=1)
 
 
 def test_two_by_two_restored_as_two_slices_of_four_single_device_processes(saved, shm_dir):
-  args = _copy(saved, shm_dir)
+  args = rh.copy_run(saved, shm_dir)
   got = _restart(args, 8, 2)
   # New process p needs columns [4p, 4p+4) of its slice's data axis. Saved
   # process 0 held columns 0-8 and process 3 (slice 1) columns 8-16, on
@@ -85,7 +49,7 @@ def test_two_by_two_restored_as_two_slices_of_four_single_device_processes(saved
 
 
 def test_two_slices_restored_as_one_slice_of_four_single_device_processes(saved, shm_dir):
-  args = _copy(saved, shm_dir)
+  args = rh.copy_run(saved, shm_dir)
   got = _restart(args, 4, 1)
   assert {p: r["source"] for p, r in got.items()} == {0: "local", 1: "peer", 2: "peer", 3: "local"}
   for r in got.values():
@@ -93,8 +57,8 @@ def test_two_slices_restored_as_one_slice_of_four_single_device_processes(saved,
 
 
 def test_a_damaged_copy_is_skipped_for_the_other_saved_slice(saved, shm_dir, fault_matrix):
-  args = _copy(saved, shm_dir)
-  where = _step_dir(args, 0, 0, 5)
+  args = rh.copy_run(saved, shm_dir)
+  where = os.path.join(rh.process_dir(args, 0), "step_5")
   body = local_format.read_manifest(where)
   w = next(leaf for leaf in body["leaves"] if leaf["path"] == "['w']")
   at = w["shards"][0]["offset"] + 5
@@ -116,9 +80,8 @@ def test_a_damaged_copy_is_skipped_for_the_other_saved_slice(saved, shm_dir, fau
 
 
 def test_a_piece_held_by_no_ramdisk_restores_from_persistent(saved, shm_dir, fault_matrix):
-  args = _copy(saved, shm_dir)
-  for host in (1, 3):  # slice position 1 of both saved slices is gone
-    shutil.rmtree(os.path.join(args["local_root"], f"host_{host}"))
+  args = rh.copy_run(saved, shm_dir)
+  rh.wipe_hosts(args, 1, 3)  # slice position 1 of both saved slices is gone
   got = _restart(args, 8, 2)
   seen = {(r["step"], r["source"], len(r["bad"])) for r in got.values()}
   fault_matrix.check(

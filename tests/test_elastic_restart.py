@@ -14,27 +14,15 @@ from __future__ import annotations
 import os
 import shutil
 
-from emergency_ckpt.testing.launcher import run_job
+from tests import restart_helpers as rh
 
 
 def _save(root: str, processes: int, slices: int) -> dict:
-  args = {
-    "slices": slices,
-    "local_root": os.path.join(root, "local"),
-    "persistent": os.path.join(root, "persistent"),
-    "steps": [1, 2, 3, 4, 5],
-    "persistent_interval": 3,
-    "local_keep": 3,
-  }
-  run_job("tests.scenarios:save_steps", processes, args, timeout_s=240).check()
-  return args
+  return rh.save_run(root, processes, slices)
 
 
 def _restart(args: dict, processes: int, slices: int) -> list[dict]:
-  args = dict(args, slices=slices, then_save=[6, 7, 8])
-  return run_job(
-    "tests.elastic_scenarios:restore_then_save", processes, args, timeout_s=240
-  ).check()
+  return list(rh.restart(args, processes, slices).values())
 
 
 def _swap(root: str, a: int, b: int) -> None:

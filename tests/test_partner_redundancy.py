@@ -12,28 +12,17 @@ hosts. Real jax.distributed jobs, real files on /dev/shm, bit-exact checks.
 from __future__ import annotations
 
 import os
-import shutil
 
 import pytest
 
 from emergency_ckpt import local_format
 from emergency_ckpt.testing.launcher import run_job
+from tests import restart_helpers as rh
 from tests.conftest import _fresh_shm_dir
 
 
 def _save(root: str, processes: int, slices: int) -> dict:
-  args = {
-    "slices": slices,
-    "local_root": os.path.join(root, "local"),
-    "persistent": os.path.join(root, "persistent"),
-    "steps": [1, 2, 3, 4, 5],
-    "persistent_interval": 3,
-    "local_keep": 3,
-    "redundancy": "partner",
-    "sim_hosts": True,
-  }
-  run_job("tests.scenarios:save_steps", processes, args, timeout_s=240).check()
-  return args
+  return rh.save_run(root, processes, slices, redundancy="partner", sim_hosts=True)
 
 
 @pytest.fixture(scope="module")
@@ -42,40 +31,12 @@ def one_slice():
     yield _save(root, 4, 1)
 
 
-def _copy(saved: dict, dest: str) -> dict:
-  args = dict(saved)
-  for key in ("local_root", "persistent"):
-    args[key] = os.path.join(dest, os.path.basename(saved[key]))
-    shutil.copytree(saved[key], args[key], symlinks=True)
-  return args
-
-
-def _wipe(args: dict, *hosts: int) -> None:
-  for host in hosts:
-    shutil.rmtree(os.path.join(args["local_root"], f"host_{host}"))
-
-
 def _partner_dir(args: dict, host: int, sender: int) -> str:
-  return os.path.join(
-    args["local_root"],
-    f"host_{host}",
-    "test-run",
-    f"process_{host}",
-    "partner",
-    f"process_{sender}",
-  )
-
-
-def _restart(args: dict, processes: int, slices: int) -> dict[int, dict]:
-  args = dict(args, slices=slices, then_save=[6, 7, 8])
-  results = run_job(
-    "tests.elastic_scenarios:restore_then_save", processes, args, timeout_s=240
-  ).check()
-  return {r["process"]: r for r in results}
+  return os.path.join(rh.process_dir(args, host), "partner", f"process_{sender}")
 
 
 def test_every_step_lives_in_the_partners_ramdisk_too(one_slice, shm_dir):
-  args = _copy(one_slice, shm_dir)
+  args = rh.copy_run(one_slice, shm_dir)
   for p in range(4):
     partner = (p + 1) % 4
     held = sorted(os.listdir(_partner_dir(args, partner, p)))
@@ -86,16 +47,15 @@ def test_every_step_lives_in_the_partners_ramdisk_too(one_slice, shm_dir):
       assert problems == [] and body["process_index"] == p, (where, problems)
 
 
-def test_a_lost_host_is_rebuilt_from_its_partner(one_slice, shm_dir):
-  args = _copy(one_slice, shm_dir)
-  _wipe(args, 1)
-  got = _restart(args, 4, 1)
-  assert {p: r["source"] for p, r in got.items()} == {
-    0: "local",
-    1: "partner",
-    2: "local",
-    3: "local",
-  }
+def test_a_lost_host_is_rebuilt_from_its_partner(one_slice, shm_dir, fault_matrix):
+  args = rh.copy_run(one_slice, shm_dir)
+  rh.wipe_hosts(args, 1)
+  got = rh.restart(args, 4, 1)
+  fault_matrix.check(
+    "redundancy.partner_host_lost",
+    rh.describe(got),
+    rh.outcome(got) == {p: (5, "partner" if p == 1 else "local", []) for p in range(4)},
+  )
   for r in got.values():
     assert (r["step"], r["bad"]) == (5, []), r
     assert r["data_state"] == {
@@ -106,17 +66,21 @@ def test_a_lost_host_is_rebuilt_from_its_partner(one_slice, shm_dir):
     assert r["all_steps"][-3:] == [6, 7, 8], r
 
 
-def test_losing_a_host_and_its_partner_falls_back_to_persistent(one_slice, shm_dir):
-  args = _copy(one_slice, shm_dir)
-  _wipe(args, 1, 2)  # process 1 and its partner (process 2)
-  got = _restart(args, 4, 1)
-  for r in got.values():
-    assert (r["step"], r["source"], r["bad"]) == (3, "persistent", []), r
+def test_losing_a_host_and_its_partner_falls_back_to_persistent(one_slice, shm_dir, fault_matrix):
+  args = rh.copy_run(one_slice, shm_dir)
+  rh.wipe_hosts(args, 1, 2)  # process 1 and its partner (process 2)
+  got = rh.restart(args, 4, 1)
+  fault_matrix.check(
+    "redundancy.partner_pair_lost",
+    rh.describe(got),
+    len(got) == 4
+    and all((r["step"], r["source"], r["bad"]) == (3, "persistent", []) for r in got.values()),
+  )
 
 
-def test_a_damaged_partner_copy_is_skipped(one_slice, shm_dir):
-  args = _copy(one_slice, shm_dir)
-  _wipe(args, 1)
+def test_a_damaged_partner_copy_is_skipped(one_slice, shm_dir, fault_matrix):
+  args = rh.copy_run(one_slice, shm_dir)
+  rh.wipe_hosts(args, 1)
   where = os.path.join(_partner_dir(args, 2, 1), "step_5")
   body = local_format.read_manifest(where)
   at = body["leaves"][-1]["shards"][0]["offset"] + 3
@@ -125,17 +89,68 @@ def test_a_damaged_partner_copy_is_skipped(one_slice, shm_dir):
     byte = f.read(1)
     f.seek(at)
     f.write(bytes([byte[0] ^ 0x01]))
-  got = _restart(args, 4, 1)
-  for p, r in got.items():
-    # step 5's only copy of process 1 is damaged: step 4, rebuilt from the partner
-    assert (r["step"], r["bad"]) == (4, []), r
-    assert r["source"] == ("partner" if p == 1 else "local"), r
+  got = rh.restart(args, 4, 1)
+  # step 5's only copy of process 1 is damaged: step 4, from the partner
+  fault_matrix.check(
+    "redundancy.partner_damaged",
+    rh.describe(got),
+    rh.outcome(got) == {p: (4, "partner" if p == 1 else "local", []) for p in range(4)},
+  )
 
 
 def test_the_same_position_lost_in_every_slice_is_rebuilt_from_partners(shm_dir):
   args = _save(shm_dir, 4, 2)  # 2 slices x 2 processes; partners: 0<->1, 2<->3
-  _wipe(args, 1, 3)  # slice position 1 of both slices: no peer slice holds it
-  got = _restart(args, 4, 2)
+  rh.wipe_hosts(args, 1, 3)  # slice position 1 of both slices: no peer slice holds it
+  got = rh.restart(args, 4, 2)
   for p, r in got.items():
     assert (r["step"], r["bad"]) == (5, []), r
     assert r["source"] == ("partner" if p in (1, 3) else "local"), r
+
+
+@pytest.mark.parametrize("required", [True, False])
+def test_a_step_commits_only_once_its_partner_holds_it(shm_dir, required):
+  """Process 1 (process 0's partner) cannot store step 2: with redundancy
+  required, step 2 never commits (its state is never written) and the run
+  goes on; with local.redundancy_required=False it commits unprotected."""
+  args = {
+    "slices": 1,
+    "local_root": os.path.join(shm_dir, "local"),
+    "persistent": os.path.join(shm_dir, "persistent"),
+    "steps": [1, 2, 3],
+    "persistent_interval": 100,
+    "local_keep": 3,
+    "redundancy": "partner",
+    "redundancy_required": required,
+    "sim_hosts": True,
+    "state_commit_timeout_s": 3,
+  }
+  got = run_job(
+    "tests.redundancy_scenarios:save_then_list",
+    2,
+    args,
+    env={1: {"EC_FAILPOINTS": "partner.refuse@2"}},
+    timeout_s=240,
+  ).check()
+  want = [1, 2, 3] if not required else [1, 3]
+  assert [r["all_steps"] for r in got] == [want, want], got
+
+
+@pytest.mark.parametrize("scheme", ["partner", "xor"])
+def test_a_partner_or_member_on_the_same_machine_is_named(shm_dir, scheme):
+  """Both processes on one machine (no host_id): no copy would survive
+  losing it. The manager says so (placement_problem, and a warning)."""
+  args = {
+    "slices": 1,
+    "local_root": os.path.join(shm_dir, "local"),
+    "persistent": os.path.join(shm_dir, "persistent"),
+    "steps": [1, 2],
+    "local_keep": 2,
+    "redundancy": scheme,
+  }
+  got = run_job("tests.redundancy_scenarios:save_then_list", 2, args, timeout_s=240).check()
+  for r in got:
+    problem = r["placement_problem"] or ""
+    assert f"local.redundancy='{scheme}'" in problem and "machine" in problem, r
+    # a partner on the same machine protects nothing: saves go on (partner
+    # sends none); an XOR group on one machine still keeps its blocks
+    assert r["all_steps"] == [1, 2], r

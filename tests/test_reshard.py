@@ -3,6 +3,8 @@ its place in restore planning (restore_plan: copies, candidates, decide)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -130,7 +132,8 @@ def test_a_step_whose_saved_slice_is_complete_somewhere_is_a_reshard_candidate()
   invs = [_inv(p, p // 4, copies.get(p, {})) for p in range(8)]
   slices = [[0, 1, 2, 3], [4, 5, 6, 7]]
   job = restore_plan.summarize(invs, slices)
-  assert job.reshard == {5: ("t", (0, 1), {})}
+  assert job.reshard[5]["topology"] == "t" and job.reshard[5]["slices"] == [0, 1]
+  assert job.reshard[5]["partner_only"] == {} == job.reshard[5]["parity_only"]
   cands = restore_plan.candidates(job)
   assert [(c.step, c.reshard, c.in_persistent) for c in cands] == [
     (5, (0, 1), False),
@@ -174,7 +177,7 @@ def test_positions_only_partner_copies_hold_are_named():
   }
   invs = [_inv(p, 0, copies.get(p, {})) for p in range(4)]
   job = restore_plan.summarize(invs, [[0, 1, 2, 3]])
-  assert job.reshard == {5: ("t", (0,), {0: (1,)})}
+  assert (job.reshard[5]["slices"], job.reshard[5]["partner_only"]) == ([0], {"0": [1]})
   cand = restore_plan.candidates(job)[0]
   plan = restore_plan.decide(cand, {}, [[0, 1, 2, 3]])
   assert (plan.reshard_slices, plan.reshard_partner) == ((0,), ((1,),))
@@ -188,3 +191,34 @@ def test_a_partner_is_the_next_process_of_the_slice_on_another_machine():
   assert choose_partner(0, [0, 1, 2, 3], {0: "a", 1: "a"}) == 2  # 2 per machine
   assert choose_partner(1, [0, 1, 2, 3], {0: "a", 1: "a"}) == 2
   assert choose_partner(0, [0, 1], {0: "a", 1: "a"}) is None  # one machine
+
+
+def test_a_position_its_xor_group_can_rebuild_completes_the_slice():
+  # one slice of 4 in one group; host 1 lost: 0, 2, 3 hold their own copy and parity block
+  group = [0, 1, 2, 3]
+  copies = {p: {5: [["t", p, 0, p, 4, 0]]} for p in (0, 2, 3)}
+  parity = {p: {5: [["t", p, 0, p, 4, group]]} for p in (0, 2, 3)}
+  invs = [
+    restore_plan.Inventory(
+      process=p,
+      slice=0,
+      local_steps=(),
+      state_steps=(5,) if p == 0 else None,
+      persistent_steps=() if p == 0 else None,
+      copies=copies.get(p, {}),
+      parity=parity.get(p, {}),
+    )
+    for p in range(4)
+  ]
+  job = restore_plan.summarize(invs, [[0, 1, 2, 3]])
+  assert job.reshard[5]["parity_only"] == {"0": [1]}
+  plan = restore_plan.decide(restore_plan.candidates(job)[0], {}, [[0, 1, 2, 3]])
+  assert (plan.reshard_slices, plan.reshard_parity, plan.reshard_groups) == (
+    (0,),
+    ((1,),),
+    ((tuple(group),),),
+  )
+  # a second loss in the group: nothing to rebuild from
+  del parity[2]
+  invs[2] = dataclasses.replace(invs[2], parity={})
+  assert restore_plan.summarize(invs, [[0, 1, 2, 3]]).reshard == {}

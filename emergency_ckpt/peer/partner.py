@@ -27,16 +27,13 @@ send() on the redundancy lane after each local write).
 from __future__ import annotations
 
 import contextlib
-import hmac
 import logging
 import os
-import secrets
 import shutil
 import socket
-import threading
 from collections.abc import Mapping, Sequence
 
-from emergency_ckpt import layout, local_format, local_read
+from emergency_ckpt import failpoints, layout, local_format, local_read
 from emergency_ckpt.errors import PeerTransferError
 from emergency_ckpt.peer import stream
 
@@ -66,7 +63,7 @@ def partner_dir(process_dir: str, sender: int) -> str:
   return os.path.join(process_dir, PARTNER_DIR, layout.process_dir_name(sender))
 
 
-class Receiver:
+class Receiver(stream.Listener):
   """Receives partner steps into this process's folder until close()."""
 
   def __init__(
@@ -83,52 +80,27 @@ class Receiver:
     self._keep = keep
     self._timeout_s = timeout_s
     self._prefix = log_prefix
-    self._token = secrets.token_bytes(stream.TOKEN_BYTES)
-    self._sock = stream._listen(host, ports)  # noqa: SLF001 - one listener helper
-    self.host = host
-    self.port = self._sock.getsockname()[1]
-    self._stop = threading.Event()
-    self._thread = threading.Thread(target=self._accept, name="ec-partner-recv", daemon=True)
-    self._thread.start()
+    self._start(host, ports)
 
-  def offer(self) -> dict:
-    """What the sender needs to connect (published through the coordination service)."""
-    return {"host": self.host, "port": self.port, "token": self._token.hex()}
-
-  def _accept(self) -> None:
-    while not self._stop.is_set():
-      try:
-        conn, _ = self._sock.accept()
-      except TimeoutError:
-        continue
-      except OSError:
-        return  # closed
-      threading.Thread(target=self._serve, args=(conn,), name="ec-partner-in", daemon=True).start()
-
-  def _serve(self, conn: socket.socket) -> None:
-    with conn:
-      conn.settimeout(self._timeout_s)
-      try:
-        hello = stream._recv_bytes(conn, len(stream.MAGIC) + stream.TOKEN_BYTES)  # noqa: SLF001
-        if hello[: len(stream.MAGIC)] != stream.MAGIC or not hmac.compare_digest(
-          hello[len(stream.MAGIC) :], self._token
-        ):
-          logger.warning("%s partner: refused a connection without the token", self._prefix)
-          return
-        header = stream._recv_json(conn)  # noqa: SLF001
-        step, sender = int(header["step"]), int(header["process"])
-        body = local_format.decode_manifest(bytes.fromhex(header["manifest"]), "partner header")
-        if body.get("step") != step or body.get("process_index") != sender:
-          raise ValueError(f"header names step {step} of process {sender}, its manifest another")
-        self._store(conn, step, sender, int(header["nbytes"]), header["manifest"])
-        stream._send_json(conn, {"ok": True})  # noqa: SLF001
-      except Exception as e:  # noqa: BLE001 - the sender sees no "ok" and reports it
-        logger.warning("%s partner: a step was not stored: %s", self._prefix, e)
-        with contextlib.suppress(OSError):
-          stream._send_json(conn, {"error": str(e)})  # noqa: SLF001
+  def _handle(self, conn: socket.socket) -> None:
+    """One sender's step: header, bytes; answers once it is durable here."""
+    try:
+      header = stream._recv_json(conn)  # noqa: SLF001
+      step, sender = int(header["step"]), int(header["process"])
+      body = local_format.decode_manifest(bytes.fromhex(header["manifest"]), "partner header")
+      if body.get("step") != step or body.get("process_index") != sender:
+        raise ValueError(f"header names step {step} of process {sender}, its manifest another")
+      self._store(conn, step, sender, int(header["nbytes"]), header["manifest"])
+      stream._send_json(conn, {"ok": True})  # noqa: SLF001
+    except Exception as e:  # noqa: BLE001 - the sender sees no "ok" and reports it
+      logger.warning("%s partner: a step was not stored: %s", self._prefix, e)
+      with contextlib.suppress(OSError):
+        stream._send_json(conn, {"error": str(e)})  # noqa: SLF001
 
   def _store(self, conn, step: int, sender: int, nbytes: int, manifest_hex: str) -> None:
     """Writes the step into a temporary folder, then renames it into place."""
+    if failpoints.armed("partner.refuse", step):
+      raise OSError("failpoint partner.refuse")  # a test: the partner cannot store it
     folder = partner_dir(self._dir, sender)
     os.makedirs(folder, mode=0o700, exist_ok=True)
     tmp = os.path.join(folder, layout.tmp_step_dir_name(step))
@@ -163,11 +135,6 @@ class Receiver:
       gone = layout.rename_out_of_namespace(layout.local_step_dir(folder, older))
       if gone is not None:
         layout.remove_renamed(gone)
-
-  def close(self) -> None:
-    self._stop.set()
-    self._sock.close()
-    self._thread.join()
 
 
 def send(offer: dict, partner: int, step_dir: str, *, timeout_s: float) -> int:

@@ -23,11 +23,12 @@ from typing import Any
 
 import numpy as np
 
-from emergency_ckpt import reshard
+from emergency_ckpt import local_format, reshard
 from emergency_ckpt import shards as shards_lib
 from emergency_ckpt.errors import CollectiveTimeoutError, CorruptCheckpointError, PeerTransferError
 from emergency_ckpt.local_format import LocalStep, checksum_ok
 from emergency_ckpt.peer import stream
+from emergency_ckpt.peer import xor as xor_lib
 from emergency_ckpt.staging import aligned_empty
 
 logger = logging.getLogger("emergency_ckpt")
@@ -58,6 +59,10 @@ def transfer(
   *,
   partner_held: set[int] = frozenset(),
   partner_only: Sequence[Sequence[int]] = (),
+  parity_only: Sequence[Sequence[int]] = (),
+  groups: Sequence[Sequence[Sequence[int]]] = (),
+  xor_files: Mapping[tuple[int, str], np.ndarray] | None = None,
+  xor_groups: Mapping[int, dict] | None = None,
   topology,
   collectives,
   host: str | None,
@@ -65,33 +70,23 @@ def transfer(
   ports: tuple[int, int] | None = None,
 ) -> tuple[list, str]:
   """(the step's arrays on this process, and where its bytes came from:
-  "local" (this host's copies), "partner" (some from a partner's copy on
-  another host) or "peer"). `copies`: {saved process: its verified
-  copy on this host, arrays in `paths` order}; `saved`: what every holder
-  publishes ({"layout": SavedLayout JSON, "sources": the saved process
-  lists of the serving saved slices}), None on a process with no copy.
-  `partner_held`: saved processes whose copy here its partner received
-  (peer/partner.py); `partner_only`: per serving saved slice, the
-  positions only such copies hold (the plan's: they are pulled from there).
-  Raises PeerTransferError on every process if any failed."""
+  "local" (this host's copies), "parity" (some rebuilt from XOR parity),
+  "partner" (some from a partner's copy on another host) or "peer").
+  `copies`: {saved process: its verified copy on this host, arrays in
+  `paths` order}; `saved`: what every holder publishes ({"layout":
+  SavedLayout JSON, "sources": the saved process lists of the serving
+  saved slices}), None on a process with no copy. Per serving saved slice
+  (the plan's): `partner_only`, the positions only partner copies hold
+  (`partner_held`: the saved processes whose copy here is such);
+  `parity_only`, the positions rebuilt from their XOR `groups`
+  (positions). `xor_files`: {(saved process, "data" | "parity"): bytes}
+  of the copies here that have their parity block here, `xor_groups`
+  their group.json bodies. Raises PeerTransferError on every process if
+  any failed."""
   me = topology.process_index
-  server, offer, error = None, None, None
-  if copies:
-    try:
-      if host is None:
-        raise OSError("no address: set peer.host (see PeerOptions)")
-      server = stream.Server(
-        host,
-        merged(step, copies, paths),
-        paths,
-        timeout_s=timeout_s,
-        log_prefix=topology.log_prefix(),
-        ports=ports,
-      )
-      offer = server.offer()
-    except OSError as e:
-      offer = {"error": f"cannot listen on {host!r}: {e}"}
-  arrays, remote = None, None
+  servers: list = []
+  arrays, remote, error, offer = None, None, None, None
+  copies = dict(copies)
   try:
     try:
       got = collectives.exchange_keyed(
@@ -101,37 +96,66 @@ def transfer(
         timeout_s=timeout_s,
       )
       saved = saved if saved is not None else got["layout"]
-      layout = shards_lib.layout_for(paths, abstract)
-      pieces = reshard.plan_pieces(
-        layout,
-        reshard.SavedLayout.from_json(saved["layout"]),
-        saved["sources"],
-        set(copies),
-        me,
-      )
-      gap = reshard.covered(layout, pieces)
-      if gap:
-        raise PeerTransferError(f"the saved shards do not cover this process's: {gap}")
-    except (CollectiveTimeoutError, KeyError, TypeError, ValueError) as e:
-      pieces, error = [], f"process {me}: no saved layout ({type(e).__name__}: {e})"
-    except PeerTransferError as e:
-      pieces, error = [], f"process {me}: {e}"
+      sources = saved["sources"]
+    except (CollectiveTimeoutError, KeyError, TypeError) as e:
+      sources, error = [], f"process {me}: no saved layout ({type(e).__name__}: {e})"
+    keyed = _Keys(sources, partner_only, parity_only)
+    rebuilt, failed = _rebuild(
+      step,
+      paths,
+      sources,
+      parity_only,
+      groups,
+      xor_files or {},
+      xor_groups or {},
+      servers,
+      topology=topology,
+      collectives=collectives,
+      host=host,
+      timeout_s=timeout_s,
+      ports=ports,
+    )
+    error = error or failed
+    copies.update(rebuilt)
+    if copies:
+      try:
+        if host is None:
+          raise OSError("no address: set peer.host (see PeerOptions)")
+        servers.append(
+          stream.Server(
+            host,
+            merged(step, copies, paths),
+            paths,
+            timeout_s=timeout_s,
+            log_prefix=topology.log_prefix(),
+            ports=ports,
+          )
+        )
+        offer = servers[-1].offer()
+      except OSError as e:
+        offer = {"error": f"cannot listen on {host!r}: {e}"}
+    pieces = []
+    if error is None:
+      try:
+        layout = shards_lib.layout_for(paths, abstract)
+        pieces = reshard.plan_pieces(
+          layout, reshard.SavedLayout.from_json(saved["layout"]), sources, set(copies), me
+        )
+        gap = reshard.covered(layout, pieces)
+        if gap:
+          raise PeerTransferError(f"the saved shards do not cover this process's: {gap}")
+      except (KeyError, TypeError, ValueError, PeerTransferError) as e:
+        pieces, error = [], f"process {me}: {type(e).__name__}: {e}"
     by_sender: dict[int, list[reshard.Piece]] = {}
     for p in pieces:
       if not p.local:
         by_sender.setdefault(p.saved_process, []).append(p)
-    only = set()
-    if saved is not None:
-      for i, procs in enumerate(saved["sources"]):
-        held = set(partner_only[i]) if i < len(partner_only) else set()
-        only.update(sp for pos, sp in enumerate(procs) if pos in held)
-    keys = {sp: f"r{sp}" if sp in only else f"p{sp}" for sp in by_sender}
+    keys = {sp: keyed.wanted(sp) for sp in by_sender}
     try:
+      published = {keyed.mine(sp, sp in partner_held, sp in rebuilt): offer for sp in copies}
       offers = collectives.exchange_keyed(
         f"reshard_offer_{step}",
-        {f"r{sp}" if sp in partner_held else f"p{sp}": offer for sp in copies}
-        if offer is not None
-        else {},
+        published if offer is not None else {},
         wanted=sorted(keys.values()),
         timeout_s=timeout_s,
       )
@@ -147,7 +171,16 @@ def transfer(
             _dest(buffer, layout, p)[...] = src[reshard.relative(p.box, p.index)]
         _pull_all(offers, by_sender, layout, paths, buffer, step=step, timeout_s=timeout_s)
         arrays = shards_lib.assemble_buffer(abstract, layout, buffer)
-        remote = "partner" if only & set(by_sender) else "peer" if by_sender else None
+        kinds = {keys[sp][0] for sp in by_sender}
+        remote = (
+          "parity"
+          if "x" in kinds or set(rebuilt) & {p.saved_process for p in pieces}
+          else "partner"
+          if "r" in kinds
+          else "peer"
+          if by_sender
+          else None
+        )
       except Exception as e:  # noqa: BLE001 - every process must reach the agreement
         error = f"process {me} ({type(e).__name__}): {e}"
         logger.warning(
@@ -159,7 +192,7 @@ def transfer(
         )
     outcome = collectives.gather_sparse(f"reshard_done_{step}", error)
   finally:
-    if server is not None:
+    for server in servers:
       server.close()
   failed = [e for _, e in sorted(outcome.items())]
   if failed:
@@ -167,6 +200,106 @@ def transfer(
       f"resharding step {step} from the ramdisk copies failed: " + "; ".join(failed)
     )
   return arrays, remote or "local"
+
+
+class _Keys:
+  """Under which key a holder of saved process sp publishes its offer, and
+  which key a receiver reads: "p" (its writer's folder), "r" (a partner's
+  copy), "x" (rebuilt from parity), by what the plan says holds it."""
+
+  def __init__(self, sources, partner_only, parity_only):
+    self._only: dict[int, str] = {}
+    for i, procs in enumerate(sources):
+      for kind, per_slice in (("r", partner_only), ("x", parity_only)):
+        held = set(per_slice[i]) if i < len(per_slice) else set()
+        self._only.update({sp: kind for pos, sp in enumerate(procs) if pos in held})
+
+  def wanted(self, sp: int) -> str:
+    return f"{self._only.get(sp, 'p')}{sp}"
+
+  @staticmethod
+  def mine(sp: int, partner: bool, rebuilt: bool) -> str:
+    return f"{'x' if rebuilt else 'r' if partner else 'p'}{sp}"
+
+
+def _rebuild(
+  step, paths, sources, parity_only, groups, files, bodies, servers, **kw
+) -> tuple[dict[int, LocalStep], str | None]:
+  """The XOR rebuild phase (every process calls it; one exchange): the
+  saved processes this process rebuilds ({saved process: LocalStep, arrays
+  in `paths` order}) and an error, if any. Holders of a survivor's data and
+  parity serve byte ranges (RangeServer, added to `servers`); the first
+  survivor of each group with a lost member rebuilds it."""
+  topology, collectives, timeout_s = kw["topology"], kw["collectives"], kw["timeout_s"]
+  needed, tasks = set(), []  # survivors to serve; (lost, group processes) to rebuild here
+  for i, procs in enumerate(sources):
+    for m in parity_only[i] if i < len(parity_only) else ():
+      group = next((g for g in groups[i] if m in g), None)
+      if group is None:
+        continue
+      members = [procs[pos] for pos in group]
+      survivors = [p for pos, p in zip(group, members) if pos != m]
+      needed.update(survivors)
+      if (survivors[0], "parity") in files:
+        tasks.append((procs[m], members, survivors[0]))
+  serving = {key: buf for key, buf in files.items() if key[0] in needed}
+  payload, error = {}, None
+  if serving:
+    try:
+      if kw["host"] is None:
+        raise OSError("no address: set peer.host (see PeerOptions)")
+      server = xor_lib.RangeServer(
+        kw["host"],
+        step,
+        serving,
+        timeout_s=timeout_s,
+        log_prefix=topology.log_prefix(),
+        ports=kw["ports"],
+      )
+      servers.append(server)
+      payload = {f"d{sp}": server.offer() for sp, _ in serving}
+    except OSError as e:
+      payload = {f"d{sp}": {"error": f"cannot listen: {e}"} for sp, _ in serving}
+  wanted = sorted({f"d{p}" for lost, members, _ in tasks for p in members if p != lost})
+  try:
+    offers = collectives.exchange_keyed(
+      f"reshard_rebuild_{step}", payload, wanted=wanted, timeout_s=timeout_s
+    )
+  except CollectiveTimeoutError as e:
+    return {}, f"process {topology.process_index}: no address for a rebuild ({e})"
+  out = {}
+  for lost, members, rebuilder in tasks:
+    try:
+      body = bodies[rebuilder]
+      k = len(members)
+      r = members.index(rebuilder)
+      sizes = {i: int(body["sizes"][str(i)]) for i in range(k) if i != r}
+      sizes[r] = len(files[(rebuilder, "data")])
+      manifest = local_format.decode_manifest(
+        bytes.fromhex(body["manifests"][str(members.index(lost))]), "group.json"
+      )
+      got = xor_lib.rebuild(
+        step,
+        lost,
+        members,
+        sizes,
+        manifest,
+        {p: offers.get(f"d{p}") for p in members if p != lost},
+        timeout_s=timeout_s,
+      )
+      by_path = dict(zip([leaf["path"] for leaf in manifest["leaves"]], got.arrays))
+      out[lost] = LocalStep(step, manifest, [by_path[p] for p in paths])
+      logger.info(
+        "%s rebuilt saved process %d's step %d from its XOR group %s",
+        topology.log_prefix(),
+        lost,
+        step,
+        members,
+      )
+    except Exception as e:  # noqa: BLE001 - every process must reach the agreement
+      error = f"process {topology.process_index}: rebuilding saved process {lost} ({type(e).__name__}: {e})"
+      logger.warning("%s %s", topology.log_prefix(), error)
+  return out, error
 
 
 def _dest(buffer: np.ndarray, layout: shards_lib.Layout, p: reshard.Piece) -> np.ndarray:

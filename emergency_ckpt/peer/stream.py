@@ -98,7 +98,62 @@ def _index_key(index) -> tuple[tuple[int, int], ...]:
   return tuple((int(a), int(b)) for a, b in index)
 
 
-class Server:
+class Listener:
+  """Accepts connections on one address until close(), each on a thread of
+  its own, and hands those that present its 256-bit token to `_handle`.
+  Subclasses set `_timeout_s` and `_prefix`, then call `_start`."""
+
+  _timeout_s: float
+  _prefix: str
+
+  def _start(self, host: str, ports: tuple[int, int] | None) -> None:
+    """Listens, and serves on a thread until close()."""
+    self._token = secrets.token_bytes(TOKEN_BYTES)
+    self._sock = _listen(host, ports)
+    self.host = host
+    self.port = self._sock.getsockname()[1]
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._accept, name="ec-peer-listen", daemon=True)
+    self._thread.start()
+
+  def offer(self) -> dict:
+    """What clients need to connect (published through the coordination service)."""
+    return {"host": self.host, "port": self.port, "token": self._token.hex()}
+
+  def _accept(self) -> None:
+    while not self._stop.is_set():
+      try:
+        conn, _ = self._sock.accept()
+      except TimeoutError:
+        continue
+      except OSError:
+        return  # closed
+      threading.Thread(
+        target=self._connection, args=(conn,), name="ec-peer-conn", daemon=True
+      ).start()
+
+  def _connection(self, conn: socket.socket) -> None:
+    with conn:
+      conn.settimeout(self._timeout_s)
+      try:
+        hello = _recv_bytes(conn, len(MAGIC) + TOKEN_BYTES)
+      except OSError:
+        return
+      if hello[: len(MAGIC)] != MAGIC or not hmac.compare_digest(hello[len(MAGIC) :], self._token):
+        logger.warning("%s refused a connection without the token", self._prefix)
+        return
+      self._handle(conn)
+
+  def _handle(self, conn: socket.socket) -> None:
+    raise NotImplementedError
+
+  def close(self) -> None:
+    self._stop.set()
+    self._sock.close()
+    self._thread.join()
+
+
+class Server(Listener):
   """Serves this process's verified shards of one step to receivers that
   present its token, until close(). Per process; no collective."""
 
@@ -121,7 +176,6 @@ class Server:
     self._timeout_s = timeout_s
     self._prefix = log_prefix
     self._step = local.step
-    self._token = secrets.token_bytes(TOKEN_BYTES)
     records = {
       (leaf["path"], _index_key(s["index"])): s
       for leaf in local.manifest["leaves"]
@@ -133,59 +187,31 @@ class Server:
         raw = arr.reshape(-1).view(np.uint8)
         self._shards[(leaf_no, index)] = (raw, records[(path, index)], arr)
     self._paths = list(paths)
-    self._sock = _listen(host, ports)
-    self.host = host
-    self.port = self._sock.getsockname()[1]
-    self._stop = threading.Event()
-    self._thread = threading.Thread(target=self._accept, name="ec-peer-serve", daemon=True)
-    self._thread.start()
+    self._start(host, ports)
 
-  def offer(self) -> dict:
-    """What receivers need to connect (published through the coordination service)."""
-    return {"host": self.host, "port": self.port, "token": self._token.hex()}
-
-  def _accept(self) -> None:
-    while not self._stop.is_set():
-      try:
-        conn, _ = self._sock.accept()
-      except TimeoutError:
-        continue
-      except OSError:
-        return  # closed
-      threading.Thread(target=self._serve, args=(conn,), name="ec-peer-send", daemon=True).start()
-
-  def _serve(self, conn: socket.socket) -> None:
-    with conn:
-      conn.settimeout(self._timeout_s)
-      try:
-        hello = _recv_bytes(conn, len(MAGIC) + TOKEN_BYTES)
-        if hello[: len(MAGIC)] != MAGIC or not hmac.compare_digest(
-          hello[len(MAGIC) :], self._token
-        ):
-          logger.warning("%s peer transfer: refused a connection without the token", self._prefix)
-          return
-        if failpoints.armed("peer.refuse", self._step):
-          return  # a test: the sender drops the connection
-        request = _recv_json(conn)
-        reply, views, gates = self._answer(request)
-        _send_json(conn, reply)
-        corrupt = failpoints.armed("peer.corrupt_send", self._step)
-        for raw, gate in zip(views, gates):
-          if gate is not None:
-            gate.result(timeout=self._timeout_s)  # raises if its read failed: drop
-          if corrupt:  # a test: one flipped bit on the wire
-            raw = raw.copy()
-            raw[len(raw) // 2] ^= 1
-            corrupt = False
-          conn.sendall(memoryview(raw))
-      except (OSError, ValueError, TypeError, KeyError, IndexError) as e:  # a malformed request too
-        logger.warning("%s peer transfer: a send failed: %s", self._prefix, e)
-      except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError) as e:
-        logger.warning("%s peer transfer: a shard never became ready: %r", self._prefix, e)
-      except Exception as e:  # noqa: BLE001 - a gate's read failed: the receiver sees a drop
-        logger.warning(
-          "%s peer transfer: not sending a shard whose read failed: %s", self._prefix, e
-        )
+  def _handle(self, conn: socket.socket) -> None:
+    """One authenticated request: its shards (or byte ranges), in order."""
+    try:
+      if failpoints.armed("peer.refuse", self._step):
+        return  # a test: the sender drops the connection
+      request = _recv_json(conn)
+      reply, views, gates = self._answer(request)
+      _send_json(conn, reply)
+      corrupt = failpoints.armed("peer.corrupt_send", self._step)
+      for raw, gate in zip(views, gates):
+        if gate is not None:
+          gate.result(timeout=self._timeout_s)  # raises if its read failed: drop
+        if corrupt:  # a test: one flipped bit on the wire
+          raw = raw.copy()
+          raw[len(raw) // 2] ^= 1
+          corrupt = False
+        conn.sendall(memoryview(raw))
+    except (OSError, ValueError, TypeError, KeyError, IndexError) as e:  # a malformed request too
+      logger.warning("%s peer transfer: a send failed: %s", self._prefix, e)
+    except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError) as e:
+      logger.warning("%s peer transfer: a shard never became ready: %r", self._prefix, e)
+    except Exception as e:  # noqa: BLE001 - a gate's read failed: the receiver sees a drop
+      logger.warning("%s peer transfer: not sending a shard whose read failed: %s", self._prefix, e)
 
   def _answer(self, request: Any) -> tuple[dict, list[np.ndarray], list]:
     if not isinstance(request, dict) or request.get("step") != self._step:
@@ -209,11 +235,6 @@ class Server:
       views.append(raw)
       gates.append(self._ready.get(key))
     return {"shards": records}, views, gates
-
-  def close(self) -> None:
-    self._stop.set()
-    self._sock.close()
-    self._thread.join()
 
 
 def _listen(host: str, ports: tuple[int, int] | None) -> socket.socket:

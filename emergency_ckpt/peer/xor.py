@@ -1,0 +1,373 @@
+"""XOR parity redundancy (local.redundancy = "xor"): sending chunks to the
+group, keeping parity blocks, and rebuilding a lost member at restore.
+
+Save: after its local write, member i of a group of k sends chunk
+`assigned(i, j)` of its shards.bin (os.sendfile of a byte range) to every
+other member j (xor_parity.py). Member j's receiver XORs the k-1 chunks of
+a step into one block and writes
+  <process dir of j>/xor/step_<N>/parity.bin   the parity block
+  <process dir of j>/xor/step_<N>/group.json   the group, every member's size
+                                                and manifest, the block's CRC32C
+(a `.tmp-step_<N>-<hex>` folder renamed into place), keeps the newest
+`keep` steps, and only then answers the k-1 senders: a sender's step is
+protected once all its chunks are in durable parity blocks.
+
+Restore: a member whose copy is lost is rebuilt by the first surviving
+member of its group (in group order), which pulls the parity blocks and
+the other chunks from the survivors (RangeServer), XORs them, and checks
+every rebuilt shard against the CRC32C in the lost member's manifest; it
+then serves the rebuilt copy like any other (reshard_stream.py,
+`r.source == "parity"`).
+
+Security: as stream.py (a token published through the coordination
+service; JSON requests, raw bytes, nothing executed).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import json
+import logging
+import os
+import shutil
+import socket
+import threading
+from collections.abc import Mapping, Sequence
+
+import crc32c
+import numpy as np
+
+from emergency_ckpt import layout, local_format, local_read
+from emergency_ckpt import xor_parity as xp
+from emergency_ckpt.errors import CorruptCheckpointError, PeerTransferError
+from emergency_ckpt.local_format import LocalStep, checksum_ok, shard_checksum
+from emergency_ckpt.peer import stream
+
+logger = logging.getLogger("emergency_ckpt")
+
+XOR_DIR = layout.XOR_DIR
+PARITY_FILE = "parity.bin"
+GROUP_FILE = "group.json"
+
+
+def xor_dir(process_dir: str) -> str:
+  return os.path.join(process_dir, XOR_DIR)
+
+
+def read_group(step_dir: str) -> dict:
+  """A parity folder's group.json, checked (CorruptCheckpointError if torn)."""
+  path = os.path.join(step_dir, GROUP_FILE)
+  with open(path, "rb") as f:
+    raw = f.read()
+  try:
+    doc = json.loads(raw)
+    body, crc = doc["body"], doc["crc32c"]
+  except (ValueError, KeyError, TypeError) as e:
+    raise CorruptCheckpointError(f"{path}: unreadable ({e})") from None
+  if crc32c.crc32c(json.dumps(body, sort_keys=True).encode()) != crc:
+    raise CorruptCheckpointError(f"{path}: checksum mismatch")
+  return body
+
+
+class _Pending:
+  """One step's parity block while its chunks arrive."""
+
+  def __init__(self, k: int):
+    self.k = k
+    self.acc = np.zeros(0, np.uint8)
+    self.seen: dict[int, dict] = {}  # sender's member index -> its header
+    self.done = threading.Event()
+    self.error: str | None = None
+
+
+class ParityReceiver(stream.Listener):
+  """Keeps this member's parity blocks: accumulates the chunks the other
+  members send, writes the block once all k-1 arrived, answers them."""
+
+  def __init__(
+    self,
+    process_dir: str,
+    host: str,
+    *,
+    member: int,
+    group: Sequence[int],
+    keep: int,
+    timeout_s: float,
+    log_prefix: str,
+    ports: tuple[int, int] | None = None,
+  ):
+    self._dir = xor_dir(process_dir)
+    self._member, self._group = member, list(group)
+    self._keep, self._timeout_s, self._prefix = keep, timeout_s, log_prefix
+    self._lock = threading.Lock()
+    self._pending: dict[int, _Pending] = {}
+    self._start(host, ports)
+
+  def _handle(self, conn: socket.socket) -> None:
+    """One member's chunk of a step; answers once the block is durable."""
+    try:
+      header = stream._recv_json(conn)  # noqa: SLF001
+      chunk = stream._recv_bytes(conn, int(header["length"]))  # noqa: SLF001
+      pending = self._add(header, chunk)
+      if not pending.done.wait(self._timeout_s):
+        with self._lock:  # the step is given up: drop its accumulator
+          if self._pending.get(int(header["step"])) is pending:
+            del self._pending[int(header["step"])]
+        raise TimeoutError(
+          f"step {header['step']}: chunks of members"
+          f" {sorted(set(range(pending.k)) - {self._member} - set(pending.seen))} never came"
+        )
+      if pending.error:
+        raise OSError(pending.error)
+      stream._send_json(conn, {"ok": True})  # noqa: SLF001
+    except Exception as e:  # noqa: BLE001 - the sender sees no "ok" and reports it
+      logger.warning("%s xor: a parity block was not stored: %s", self._prefix, e)
+      with contextlib.suppress(OSError):
+        stream._send_json(conn, {"error": str(e)})  # noqa: SLF001
+
+  def _add(self, header: dict, chunk: bytes) -> _Pending:
+    step, i, k = int(header["step"]), int(header["member"]), len(self._group)
+    if header["group"] != self._group or i == self._member or not 0 <= i < k:
+      raise ValueError(f"a chunk from member {i} of group {header['group']}, not of {self._group}")
+    with self._lock:
+      pending = self._pending.setdefault(step, _Pending(k))
+      if len(chunk) > len(pending.acc):
+        grown = np.zeros(len(chunk), np.uint8)
+        grown[: len(pending.acc)] = pending.acc
+        pending.acc = grown
+      xp.xor_into(pending.acc, chunk)
+      pending.seen[i] = header
+      complete = len(pending.seen) == k - 1
+      if complete:
+        del self._pending[step]
+    if complete:
+      try:
+        self._store(step, pending)
+      except Exception as e:  # noqa: BLE001 - every waiting sender is told
+        pending.error = f"{type(e).__name__}: {e}"
+      pending.done.set()
+    return pending
+
+  def _store(self, step: int, pending: _Pending) -> None:
+    headers = pending.seen
+    sizes = {str(i): int(h["nbytes"]) for i, h in headers.items()}
+    length = xp.parity_length(
+      [int(headers[i]["nbytes"]) if i in headers else 0 for i in range(pending.k)]
+    )
+    block = np.zeros(max(length, len(pending.acc)), np.uint8)
+    block[: len(pending.acc)] = pending.acc
+    body = {
+      "step": step,
+      "group": self._group,
+      "member": self._member,
+      "sizes": sizes,
+      "manifests": {str(i): h["manifest"] for i, h in headers.items()},
+      "parity_nbytes": int(block.nbytes),
+      "parity_crc32c": crc32c.crc32c(block),
+    }
+    os.makedirs(self._dir, mode=0o700, exist_ok=True)
+    tmp = os.path.join(self._dir, layout.tmp_step_dir_name(step))
+    os.mkdir(tmp, 0o700)
+    try:
+      for name, data in (
+        (PARITY_FILE, block.tobytes()),
+        (GROUP_FILE, _signed(body)),
+      ):
+        with open(os.path.join(tmp, name), "wb") as f:
+          f.write(data)
+          f.flush()
+          os.fsync(f.fileno())
+      final = layout.local_step_dir(self._dir, step)
+      old = layout.rename_out_of_namespace(final)
+      if old is not None:
+        layout.remove_renamed(old)
+      os.rename(tmp, final)
+    except BaseException:
+      shutil.rmtree(tmp, ignore_errors=True)
+      raise
+    for older in parity_steps(self._dir)[: -self._keep]:
+      gone = layout.rename_out_of_namespace(layout.local_step_dir(self._dir, older))
+      if gone is not None:
+        layout.remove_renamed(gone)
+
+
+def _signed(body: dict) -> bytes:
+  raw = json.dumps(body, sort_keys=True).encode()
+  return json.dumps({"body": body, "crc32c": crc32c.crc32c(raw)}).encode()
+
+
+def parity_steps(folder: str) -> list[int]:
+  """Steps with a parity block in an `xor` folder, oldest first."""
+  out = []
+  for name in os.listdir(folder) if os.path.isdir(folder) else ():
+    step = layout.step_of_dir_name(name)
+    if step is not None and os.path.isfile(os.path.join(folder, name, GROUP_FILE)):
+      out.append(step)
+  return sorted(out)
+
+
+def send(
+  offers: Mapping[int, dict], group: Sequence[int], member: int, step_dir: str, *, timeout_s: float
+) -> int:
+  """Sends this member's chunks of the step in `step_dir` to the other
+  members (their `offers`, by process) and waits until every one stored
+  its parity block; returns the bytes sent. Raises PeerTransferError or
+  OSError. Called by: the redundancy lane."""
+  with open(os.path.join(step_dir, local_format.MANIFEST), "rb") as f:
+    raw = f.read()
+  body = local_format.decode_manifest(raw, step_dir)
+  k = len(group)
+  path = os.path.join(step_dir, local_format.SHARDS)
+  nbytes = os.path.getsize(path)
+
+  def one(j: int) -> int:
+    proc = group[j]
+    offer = offers.get(proc) or {"error": "it published no address"}
+    if "error" in offer:
+      raise PeerTransferError(f"group member {proc} cannot receive: {offer['error']}")
+    off, length = xp.chunk(nbytes, k, xp.assigned(member, j, k))
+    header = {
+      "step": body["step"],
+      "member": member,
+      "group": list(group),
+      "nbytes": nbytes,
+      "length": length,
+      "manifest": raw.hex(),
+    }
+    with (
+      open(path, "rb") as shards,
+      socket.create_connection((offer["host"], offer["port"]), timeout=timeout_s) as sock,
+    ):
+      sock.sendall(stream.MAGIC + bytes.fromhex(offer["token"]))
+      stream._send_json(sock, header)  # noqa: SLF001
+      sent = 0
+      while sent < length:
+        n = os.sendfile(sock.fileno(), shards.fileno(), off + sent, length - sent)
+        if not n:
+          raise ConnectionError(f"member {proc} stopped reading after {sent} bytes")
+        sent += n
+      reply = stream._recv_json(sock)  # noqa: SLF001
+    if not reply.get("ok"):
+      raise PeerTransferError(f"group member {proc} did not store its parity block: {reply}")
+    return length
+
+  others = [j for j in range(k) if j != member]
+  with concurrent.futures.ThreadPoolExecutor(len(others), "ec-xor-send") as pool:
+    return sum(pool.map(one, others))
+
+
+class RangeServer(stream.Server):
+  """Serves byte ranges of this host's data and parity files of one step,
+  by saved process (for a rebuild), to clients that present its token."""
+
+  def __init__(
+    self,
+    host: str,
+    step: int,
+    files: Mapping[tuple[int, str], np.ndarray],
+    *,
+    timeout_s: float,
+    log_prefix: str,
+    ports: tuple[int, int] | None = None,
+  ):
+    """`files`: {(saved process, "data" | "parity"): the file's bytes}."""
+    self._ready = {}
+    self._timeout_s = timeout_s
+    self._prefix = log_prefix
+    self._step = step
+    self._files = dict(files)
+    self._start(host, ports)
+
+  def _answer(self, request):
+    if not isinstance(request, dict) or request.get("step") != self._step:
+      return {"error": f"this process serves step {self._step}"}, [], []
+    records, views = [], []
+    for process, kind, offset, length in request.get("ranges", []):
+      buf = self._files.get((int(process), kind))
+      if buf is None or offset < 0 or offset + length > len(buf):
+        return {"error": f"no {kind} bytes {offset}+{length} of process {process} here"}, [], []
+      view = buf[offset : offset + length]
+      records.append({"nbytes": int(length), **shard_checksum(view)})
+      views.append(view)
+    return {"shards": records}, views, [None] * len(views)
+
+
+def _fetch(offer: dict, holder: int, step: int, ranges: list, *, timeout_s: float) -> list:
+  """The byte ranges [[process, kind, offset, length]] from a RangeServer."""
+  if "error" in offer:
+    raise PeerTransferError(f"process {holder} cannot serve: {offer['error']}")
+  out = []
+  with socket.create_connection((offer["host"], offer["port"]), timeout=timeout_s) as sock:
+    sock.sendall(stream.MAGIC + bytes.fromhex(offer["token"]))
+    stream._send_json(sock, {"step": step, "ranges": ranges})  # noqa: SLF001
+    reply = stream._recv_json(sock)  # noqa: SLF001
+    if "error" in reply:
+      raise PeerTransferError(f"process {holder} refused: {reply['error']}")
+    for (process, kind, offset, length), record in zip(ranges, reply["shards"]):
+      buf = np.empty(length, np.uint8)
+      stream.recv_into(sock, buf)
+      if record.get("nbytes") != length or not checksum_ok(buf, record):
+        raise CorruptCheckpointError(
+          f"{kind} bytes {offset}+{length} of saved process {process} from process"
+          f" {holder} fail their checksum on arrival"
+        )
+      out.append(buf)
+  return out
+
+
+def rebuild(
+  step: int,
+  lost: int,
+  group: Sequence[int],
+  sizes: Mapping[int, int],
+  manifest: dict,
+  offers: Mapping[int, dict],
+  *,
+  timeout_s: float,
+) -> LocalStep:
+  """Member `lost` of `group` (saved processes) rebuilt from the other
+  members' data and parity blocks (served by RangeServers: `offers` by
+  saved process), every shard checked against `manifest`'s CRC32Cs.
+  `sizes`: every member's shards.bin bytes. Raises PeerTransferError,
+  CorruptCheckpointError or OSError."""
+  k = len(group)
+  m = list(group).index(lost)
+  plan = xp.rebuild_sources(m, k)
+  plen = {  # member j's block: the longest chunk of the others
+    j: max(xp.chunk(sizes[i], k, 0)[1] for i in range(k) if i != j) for j in range(k)
+  }
+  requests: dict[int, list] = {}
+  for j, others in plan:
+    requests.setdefault(group[j], []).append([group[j], "parity", 0, plen[j]])
+    for i, ti in others:
+      off, length = xp.chunk(sizes[i], k, ti)
+      requests.setdefault(group[i], []).append([group[i], "data", off, length])
+  with concurrent.futures.ThreadPoolExecutor(len(requests), "ec-xor-fetch") as pool:
+    futures = {
+      p: pool.submit(
+        _fetch, offers.get(p) or {"error": "no address"}, p, step, r, timeout_s=timeout_s
+      )
+      for p, r in requests.items()
+    }
+    got = {p: dict(zip(map(_key, requests[p]), f.result())) for p, f in futures.items()}
+  out = np.zeros(sizes[m], np.uint8)
+  for t, (j, others) in enumerate(plan):
+    acc = got[group[j]][_key([group[j], "parity", 0, plen[j]])].copy()
+    for i, ti in others:
+      off, length = xp.chunk(sizes[i], k, ti)
+      xp.xor_into(acc, got[group[i]][_key([group[i], "data", off, length])])
+    off, length = xp.chunk(sizes[m], k, t)
+    out[off : off + length] = acc[:length]
+  where = f"step {step} of process {lost} rebuilt from parity"
+  return LocalStep(step, manifest, local_read.verify_buffer(manifest, out, where))
+
+
+def _key(item) -> tuple:
+  return tuple(item)
+
+
+def mapped(path: str) -> np.ndarray:
+  """A file's bytes, mapped read-only."""
+  size = os.path.getsize(path)
+  return local_format.map_file(path, size, os.path.dirname(path)) if size else np.empty(0, np.uint8)
