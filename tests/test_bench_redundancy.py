@@ -73,13 +73,17 @@ def test_tiny_redundancy_benchmark_reports_every_row(tmp_path):
   checks = reduced["restore_checks"]
   assert "errors" not in checks, checks
   assert (checks["bad_shards"], checks["wrong_step"]) == (0, 0), checks
-  # the wiped host came back from its partner, the others from their own copy
-  assert checks["sources"]["partner/lost_host"] == ["kept:local", "wiped:partner"], checks
-  assert checks["sources"]["partner/persistent_cold"] == [
-    "kept:persistent",
-    "wiped:persistent",
-  ], checks
-  assert checks["sources"]["partner/intact"] == ["kept:local"], checks
+  for s in schemes:
+    # the wiped host was rebuilt from the scheme's data (e.g. "partner",
+    # "parity"), the others read their own copy
+    kept, wiped = checks["sources"][f"{s}/lost_host"]
+    assert kept == "kept:local", checks
+    assert wiped.startswith("wiped:") and wiped[6:] not in ("local", "peer", "persistent", "None")
+    assert checks["sources"][f"{s}/persistent_cold"] == [
+      "kept:persistent",
+      "wiped:persistent",
+    ], checks
+    assert checks["sources"][f"{s}/intact"] == ["kept:local"], checks
   per_process = [r for p in doc["processes"] for r in p["restores"]]
   assert per_process and all(r["mismatched_shards"] == 0 for r in per_process)
   md = (out / "results.md").read_text()

@@ -351,8 +351,9 @@ def bench_main(args: dict) -> dict:
     for s in every
   }
   # the restored step: both tiers, written by every redundancy manager
-  for scheme in schemes:
+  for scheme in schemes:  # one at a time: two Orbax saves in flight in one process time out
     managers[scheme].save(PERSISTENT_STEP, state)
+    managers[scheme].wait_until_finished()
   for mngr in managers.values():
     mngr.close()
   barrier("red-closed")
@@ -617,7 +618,8 @@ def markdown(doc: dict) -> str:
     for err in checks.get("errors", []):
       lines += [f"**Restore failed**: {err}", ""]
     lines += [
-      f"Restores: {checks['bad_shards']} mismatched shards, {checks['wrong_step']} of another"
+      f"Restores (every scheme of the run): {checks['bad_shards']} mismatched shards,"
+      f" {checks['wrong_step']} of another"
       f" step than {PERSISTENT_STEP}; sources (wiped/kept host: source): "
       + "; ".join(f"{v}: {', '.join(x)}" for v, x in sorted(srcs.items())),
       "",
