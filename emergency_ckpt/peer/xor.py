@@ -241,12 +241,10 @@ def send(
     ):
       sock.sendall(stream.MAGIC + bytes.fromhex(offer["token"]))
       stream._send_json(sock, header)  # noqa: SLF001
-      sent = 0
-      while sent < length:
-        n = os.sendfile(sock.fileno(), shards.fileno(), off + sent, length - sent)
-        if not n:
-          raise ConnectionError(f"member {proc} stopped reading after {sent} bytes")
-        sent += n
+      # socket.sendfile waits whenever the send buffer is full (see partner.send)
+      sent = sock.sendfile(shards, off, length)
+      if sent != length:
+        raise ConnectionError(f"member {proc} stopped reading after {sent} bytes")
       reply = stream._recv_json(sock)  # noqa: SLF001
     if not reply.get("ok"):
       raise PeerTransferError(f"group member {proc} did not store its parity block: {reply}")
