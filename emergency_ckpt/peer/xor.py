@@ -152,8 +152,8 @@ class ParityReceiver(stream.Listener):
   def _store(self, step: int, pending: _Pending) -> None:
     headers = pending.seen
     sizes = {str(i): int(h["nbytes"]) for i, h in headers.items()}
-    length = xp.parity_length(
-      [int(headers[i]["nbytes"]) if i in headers else 0 for i in range(pending.k)]
+    length = xp.block_length(
+      [int(headers[i]["nbytes"]) if i in headers else 0 for i in range(pending.k)], self._member
     )
     block = np.zeros(max(length, len(pending.acc)), np.uint8)
     block[: len(pending.acc)] = pending.acc
@@ -332,9 +332,7 @@ def rebuild(
   k = len(group)
   m = list(group).index(lost)
   plan = xp.rebuild_sources(m, k)
-  plen = {  # member j's block: the longest chunk of the others
-    j: max(xp.chunk(sizes[i], k, 0)[1] for i in range(k) if i != j) for j in range(k)
-  }
+  plen = {j: xp.block_length([sizes[i] for i in range(k)], j) for j in range(k)}
   requests: dict[int, list] = {}
   for j, others in plan:
     requests.setdefault(group[j], []).append([group[j], "parity", 0, plen[j]])
