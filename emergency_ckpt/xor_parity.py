@@ -67,10 +67,10 @@ def assigned(i: int, j: int, k: int) -> int:
   return (j - i - 1) % k
 
 
-def parity_length(sizes: Sequence[int]) -> int:
-  """Bytes of every member's parity block: the longest chunk of the group."""
+def block_length(sizes: Sequence[int], j: int) -> int:
+  """Bytes of member j's parity block: the longest chunk of the others."""
   k = len(sizes)
-  return max(chunk(n, k, 0)[1] for n in sizes)
+  return max(chunk(n, k, 0)[1] for i, n in enumerate(sizes) if i != j)
 
 
 def xor_into(acc: np.ndarray, data) -> None:
@@ -83,7 +83,7 @@ def parity(j: int, data: Sequence[bytes | np.ndarray]) -> np.ndarray:
   """Member j's parity block from every member's bytes (what the senders'
   chunks add up to on j)."""
   k = len(data)
-  acc = np.zeros(parity_length([len(d) for d in data]), np.uint8)
+  acc = np.zeros(block_length([len(d) for d in data], j), np.uint8)
   for i, d in enumerate(data):
     if i != j:
       off, length = chunk(len(d), k, assigned(i, j, k))

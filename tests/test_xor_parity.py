@@ -14,7 +14,7 @@ def test_xor_parity_rebuilds_any_one_member_bit_exactly(k):
   data = [rng.integers(0, 256, int(n), dtype=np.uint8).tobytes() for n in rng.integers(1, 300, k)]
   data[0] = data[0][:1]  # sizes differ, one tiny
   parities = [xp.parity(j, data) for j in range(k)]
-  assert all(len(p) == xp.parity_length([len(d) for d in data]) for p in parities)
+  assert all(len(p) == xp.block_length([len(d) for d in data], j) for j, p in enumerate(parities))
   for m in range(k):
     rebuilt = bytearray(len(data[m]))
     for t, (j, others) in enumerate(xp.rebuild_sources(m, k)):

@@ -157,12 +157,12 @@ def send(offer: dict, partner: int, step_dir: str, *, timeout_s: float) -> int:
         "manifest": raw.hex(),
       }
       stream._send_json(sock, header)  # noqa: SLF001
-      sent = 0
-      while sent < nbytes:
-        n = os.sendfile(sock.fileno(), shards.fileno(), sent, nbytes - sent)
-        if not n:
-          raise ConnectionError(f"partner {partner} stopped reading after {sent} bytes")
-        sent += n
+      # socket.sendfile: os.sendfile underneath, waiting (within the socket's
+      # timeout) whenever the send buffer is full; a bare os.sendfile loop on
+      # this socket (O_NONBLOCK under a Python timeout) raises EAGAIN there.
+      sent = sock.sendfile(shards, 0, nbytes)
+      if sent != nbytes:
+        raise ConnectionError(f"partner {partner} stopped reading after {sent} bytes")
       reply = stream._recv_json(sock)  # noqa: SLF001
   if not reply.get("ok"):
     raise PeerTransferError(f"partner process {partner} did not store step {body['step']}: {reply}")

@@ -152,8 +152,8 @@ class ParityReceiver(stream.Listener):
   def _store(self, step: int, pending: _Pending) -> None:
     headers = pending.seen
     sizes = {str(i): int(h["nbytes"]) for i, h in headers.items()}
-    length = xp.parity_length(
-      [int(headers[i]["nbytes"]) if i in headers else 0 for i in range(pending.k)]
+    length = xp.block_length(
+      [int(headers[i]["nbytes"]) if i in headers else 0 for i in range(pending.k)], self._member
     )
     block = np.zeros(max(length, len(pending.acc)), np.uint8)
     block[: len(pending.acc)] = pending.acc
@@ -241,12 +241,10 @@ def send(
     ):
       sock.sendall(stream.MAGIC + bytes.fromhex(offer["token"]))
       stream._send_json(sock, header)  # noqa: SLF001
-      sent = 0
-      while sent < length:
-        n = os.sendfile(sock.fileno(), shards.fileno(), off + sent, length - sent)
-        if not n:
-          raise ConnectionError(f"member {proc} stopped reading after {sent} bytes")
-        sent += n
+      # socket.sendfile waits whenever the send buffer is full (see partner.send)
+      sent = sock.sendfile(shards, off, length)
+      if sent != length:
+        raise ConnectionError(f"member {proc} stopped reading after {sent} bytes")
       reply = stream._recv_json(sock)  # noqa: SLF001
     if not reply.get("ok"):
       raise PeerTransferError(f"group member {proc} did not store its parity block: {reply}")
@@ -334,9 +332,7 @@ def rebuild(
   k = len(group)
   m = list(group).index(lost)
   plan = xp.rebuild_sources(m, k)
-  plen = {  # member j's block: the longest chunk of the others
-    j: max(xp.chunk(sizes[i], k, 0)[1] for i in range(k) if i != j) for j in range(k)
-  }
+  plen = {j: xp.block_length([sizes[i] for i in range(k)], j) for j in range(k)}
   requests: dict[int, list] = {}
   for j, others in plan:
     requests.setdefault(group[j], []).append([group[j], "parity", 0, plen[j]])

@@ -1,0 +1,127 @@
+"""The redundancy transports in one process, at sizes beyond a socket's send
+buffer (a step of tens of MiB: a bare os.sendfile loop on a socket with a
+timeout failed with EAGAIN there): partner.send into a Receiver, and
+xor.send among the ParityReceivers of a group of 3, then a rebuild of each
+member from the others through RangeServers. Real files, real sockets."""
+
+from __future__ import annotations
+
+import os
+
+import crc32c
+import numpy as np
+import pytest
+
+from emergency_ckpt import local_format, local_read, xor_parity
+from emergency_ckpt.peer import partner, xor
+
+MIB = 1 << 20
+
+
+def _step(folder: str, process: int, nbytes: int, seed: int) -> tuple[str, bytes]:
+  """A local step folder of one float32 leaf of `nbytes` random bytes."""
+  data = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8).tobytes()
+  where = os.path.join(folder, f"process_{process}", "step_7")
+  os.makedirs(where)
+  with open(os.path.join(where, local_format.SHARDS), "wb") as f:
+    f.write(data)
+  n = nbytes // 4
+  body = {
+    "format": local_format.FORMAT,
+    "step": 7,
+    "run_id": "r",
+    "process_index": process,
+    "nbytes": nbytes,
+    "leaves": [
+      {
+        "path": "['w']",
+        "shape": [n],
+        "dtype": "float32",
+        "shards": [
+          {"index": [[0, n]], "offset": 0, "nbytes": nbytes, "crc32c": crc32c.crc32c(data)}
+        ],
+      }
+    ],
+  }
+  with open(os.path.join(where, local_format.MANIFEST), "wb") as f:
+    f.write(local_format.encode_manifest(body))
+  return where, data
+
+
+def test_partner_send_of_a_large_step(tmp_path):
+  where, data = _step(str(tmp_path / "sender"), 3, 24 * MIB, 0)
+  receiver = partner.Receiver(
+    str(tmp_path / "partner_host"), "127.0.0.1", keep=2, timeout_s=30, log_prefix="[t]"
+  )
+  try:
+    assert partner.send(receiver.offer(), 1, where, timeout_s=30) == len(data)
+  finally:
+    receiver.close()
+  kept = os.path.join(partner.partner_dir(str(tmp_path / "partner_host"), 3), "step_7")
+  got = local_read.read_step(kept)  # every shard verified
+  assert got.arrays[0][((0, len(data) // 4),)].tobytes() == data
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_xor_send_and_rebuild_of_large_steps(tmp_path, k):
+  sizes = [20 * MIB + 12, 9 * MIB + 4, 16 * MIB][:k]
+  steps = [_step(str(tmp_path / f"host_{i}"), i, n, i) for i, n in enumerate(sizes)]
+  group = list(range(k))
+  receivers = [
+    xor.ParityReceiver(
+      os.path.dirname(steps[i][0]),
+      "127.0.0.1",
+      member=i,
+      group=group,
+      keep=2,
+      timeout_s=60,
+      log_prefix=f"[m{i}]",
+    )
+    for i in range(k)
+  ]
+  try:
+    offers = {i: r.offer() for i, r in enumerate(receivers)}
+    import concurrent.futures  # noqa: PLC0415
+
+    with concurrent.futures.ThreadPoolExecutor(k) as pool:
+      sent = list(pool.map(lambda i: xor.send(offers, group, i, steps[i][0], timeout_s=60), group))
+    assert sent == [sum(xor_parity.chunk(sizes[i], k, t)[1] for t in range(k - 1)) for i in group]
+  finally:
+    for r in receivers:
+      r.close()
+  data = [d for _, d in steps]
+  blocks = {}
+  for j in group:
+    folder = os.path.join(xor.xor_dir(os.path.dirname(steps[j][0])), "step_7")
+    with open(os.path.join(folder, xor.PARITY_FILE), "rb") as f:
+      blocks[j] = np.frombuffer(f.read(), np.uint8)
+    assert blocks[j].tobytes() == xor_parity.parity(j, data).tobytes()
+    body = xor.read_group(folder)
+    assert body["parity_crc32c"] == crc32c.crc32c(blocks[j])
+  for lost in group:  # each member rebuilt from the others' data and blocks
+    servers = {
+      i: xor.RangeServer(
+        "127.0.0.1",
+        7,
+        {(i, "data"): np.frombuffer(data[i], np.uint8), (i, "parity"): blocks[i]},
+        timeout_s=30,
+        log_prefix=f"[s{i}]",
+      )
+      for i in group
+      if i != lost
+    }
+    try:
+      manifest = local_format.read_manifest(steps[lost][0])
+      got = xor.rebuild(
+        7,
+        lost,
+        group,
+        dict(enumerate(sizes)),
+        manifest,
+        {i: s.offer() for i, s in servers.items()},
+        timeout_s=30,
+      )
+    finally:
+      for s in servers.values():
+        s.close()
+    assert got.arrays[0][((0, sizes[lost] // 4),)].tobytes() == data[lost]
