@@ -16,7 +16,9 @@ one job per row and round, the rows interleaved in each round:
                     each of hosts 0-1 (another slice shape): resharded from
                     the surviving ramdisks (reshard.py, peer/reshard_stream.py)
   ours_persistent   ours, as ours_same with hosts 0-1's ramdisks wiped: the
-                    persistent tier (the baseline every ratio divides by)
+                    persistent tier (the baseline of the 1x2x2 rows)
+  ours_persistent_4x1  ours, as ours_reshard with the ramdisks wiped (the
+                    baseline of the 1x4x1 rows)
   p2p_same          Orbax P2P, as ours_same (each process its own local
                     directory, as P2P needs)
   p2p_reshard       Orbax P2P, as ours_reshard (the first process of each
@@ -59,15 +61,18 @@ ROWS = {
   "ours_same": (OURS, "1x2x2", False),
   "ours_reshard": (OURS, "1x4x1", False),
   "ours_persistent": (OURS, "1x2x2", True),
+  "ours_persistent_4x1": (OURS, "1x4x1", True),
   "p2p_same": (P2P, "1x2x2", False),
   "p2p_reshard": (P2P, "1x4x1", False),
   "p2p_persistent": (P2P, "1x2x2", True),
 }
-BASELINE = "ours_persistent"
+# each row's ratios divide by ours from the persistent tier on its topology
+BASELINES = {"1x2x2": "ours_persistent", "1x4x1": "ours_persistent_4x1"}
 LABELS = {
   "ours_same": "ours: same slice shape (1 slice x 2 proc x 2 dev), surviving ramdisks",
   "ours_reshard": "ours: another slice shape (1 slice x 4 proc x 1 dev), resharded from ramdisks",
   "ours_persistent": "ours: 1 slice x 2 proc x 2 dev, ramdisks wiped: persistent (baseline)",
+  "ours_persistent_4x1": "ours: 1 slice x 4 proc x 1 dev, ramdisks wiped: persistent (baseline)",
   "p2p_same": "Orbax P2P: same slice shape (1 slice x 2 proc x 2 dev), surviving ramdisks",
   "p2p_reshard": "Orbax P2P: another slice shape (1 slice x 4 proc x 1 dev), surviving ramdisks",
   "p2p_persistent": "Orbax P2P: 1 slice x 2 proc x 2 dev, ramdisks wiped: persistent",
@@ -333,12 +338,13 @@ def row_figures(jobs: list[tuple[int, list[dict]]], expected_step: int) -> dict:
 
 
 def ratios(rows: dict, per_rep: dict[str, dict[int, list[dict]]]) -> dict:
-  """Each row against the baseline of the same round (interleaved jobs, so
-  the machine's drift cancels): per-round ratios' median and spread, for
-  spawn-to-restored and for manager construction + restore()."""
+  """Each row against the baseline of its topology (BASELINES) in the same
+  round (interleaved jobs, so the machine's drift cancels): per-round
+  ratios' median and spread, for spawn-to-restored and for manager
+  construction + restore()."""
   out = {}
-  base = per_rep.get(BASELINE, {})
   for row in rows:
+    base = per_rep.get(BASELINES[ROWS[row][1]], {})
     mine = per_rep.get(row, {})
     out[row] = {}
     for key, src in (("spawn_to_restored_s", "restored_s"), ("restore_s", "restore_s")):
@@ -370,7 +376,8 @@ def markdown(doc: dict) -> str:
     f" {SAVED_DEVICES} CPU devices, steps {', '.join(str(step_of(k)) for k in range(SAVES))}"
     " (both tiers). Slice 1's hosts then gone for good; every job restarts on hosts 0-1."
     " Times: the slowest process of each job; median [min-max] over rounds. Ratios: to"
-    f" `{BASELINE}` of the same round, median [min-max] of the per-round ratios.",
+    " ours from the persistent tier on the same topology in the same round (`ours_persistent`,"
+    " `ours_persistent_4x1`), median [min-max] of the per-round ratios.",
     "",
     "| row | spawn to restored | vs baseline | ready to restored | construct + restore()"
     " | vs baseline | restore() call | step | source (per process) | bit-exact |",
@@ -428,8 +435,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   unknown = set(args.rows) - set(ROWS)
   if unknown:
     p.error(f"unknown rows {sorted(unknown)}; choose from {list(ROWS)}")
-  if BASELINE not in args.rows:
-    p.error(f"the rows must include the baseline {BASELINE}")
+  missing = {BASELINES[ROWS[r][1]] for r in args.rows} - set(args.rows)
+  if missing:
+    p.error(f"the rows must include their baselines {sorted(missing)}")
   if args.reps < 1:
     p.error("--reps must be >= 1")
   from emergency_ckpt.bench.state import rows_per_leaf  # noqa: PLC0415
@@ -504,7 +512,7 @@ def main(argv=None) -> int:
         for t, (p, d) in TOPOLOGIES.items()
       },
       "expected_step": expected,
-      "baseline": BASELINE,
+      "baselines": BASELINES,
       "cpus": os.cpu_count(),
       "versions": _versions(),
       "started_at": started,
