@@ -26,7 +26,8 @@ one job per row and round, the rows interleaved in each round:
                     fresh one)
   p2p_persistent    Orbax P2P, as p2p_same with the ramdisks wiped
 
-Before every job the driver resets hosts 0-1's ramdisks from a copy taken
+First the driver compiles emergency_ckpt to bytecode (precompile()). Before
+every job it resets hosts 0-1's ramdisks from a copy taken
 after the save job (or wipes them) and evicts the persistent directory from
 the page cache (a restart after a slice loss finds a cold persistent tier).
 Each process reports process spawn -> jax.distributed ready -> manager
