@@ -100,12 +100,17 @@ class Ours(Adapter):
     " then still pending; wait_until_finished covers them)",
   }
 
-  def __init__(self, layout: Layout, local_dir: str, persistent_dir: str):
+  def __init__(
+    self, layout: Layout, local_dir: str, persistent_dir: str, host_id: str | None = None
+  ):
+    """`host_id`: the simulated host (elastic.py runs several per machine);
+    None keeps the library's default (the machine's boot id)."""
     import emergency_ckpt as ec  # noqa: PLC0415
 
     options = ec.CheckpointManagerOptions(
       local=ec.LocalTierOptions(directory=local_dir),
       persistent=ec.PersistentTierOptions(directory=persistent_dir),
+      host_id=host_id,
     )
     self._layout = layout
     self._m = ec.CheckpointManager(options, mesh=layout.mesh)
@@ -275,7 +280,9 @@ class OrbaxP2P(Adapter):
 ADAPTERS = {OURS: Ours, ORBAX_MS: OrbaxMultislice, ORBAX_P2P: OrbaxP2P}
 
 
-def make(name: str, layout: Layout, local_dir: str, persistent_dir: str) -> Adapter:
+def make(name: str, layout: Layout, local_dir: str, persistent_dir: str, **kwargs) -> Adapter:
+  """Called by workers.py and elastic.py on every process; `kwargs` go to
+  the adapter (only Ours takes any: host_id)."""
   os.makedirs(local_dir, mode=0o700, exist_ok=True)
   os.makedirs(persistent_dir, exist_ok=True)
-  return ADAPTERS[name](layout, local_dir, persistent_dir)
+  return ADAPTERS[name](layout, local_dir, persistent_dir, **kwargs)

@@ -1,6 +1,7 @@
 """`emergency-ckpt bench`: run the benchmark (emergency_ckpt.bench.run) with a
 numbered progress line per job; with --scale, the scale benchmark
-(emergency_ckpt.bench.scale) instead."""
+(emergency_ckpt.bench.scale) instead; with --elastic, the restore onto fewer
+slices (emergency_ckpt.bench.elastic)."""
 
 from __future__ import annotations
 
@@ -97,6 +98,14 @@ def add_scale_arguments(parser) -> None:
   parser.add_argument(
     "--max-k", type=int, metavar="K", help="--scale: largest simulated process count (2048)"
   )
+  parser.add_argument(
+    "--elastic",
+    action="store_true",
+    help="run the elastic benchmark instead (emergency_ckpt.bench.elastic): 2 slices save,"
+    " slice 1 is lost for good, restarts on 1 slice (same slice shape, another one, persistent),"
+    " ours against Orbax P2P; writes OUT/results.json and results.md (--reps: rounds, default"
+    " 3; --mib-per-replica default 256; --quick: 1 MiB, 1 round)",
+  )
 
 
 def scale_argv(a) -> list[str]:
@@ -118,9 +127,36 @@ def cmd_bench_scale(a) -> int:
   return scale.main(scale_argv(a))
 
 
+def elastic_argv(a) -> list[str]:
+  """`python -m emergency_ckpt.bench.elastic` arguments for `emergency-ckpt bench --elastic`."""
+  argv = ["--out", a.out]
+  mib, reps = a.mib_per_replica, a.reps
+  if a.quick:
+    mib, reps = mib or 1, reps or 1
+  for flag, value in (
+    ("--mib-per-replica", mib),
+    ("--reps", reps),
+    ("--job-timeout", a.job_timeout),
+  ):
+    if value is not None:
+      argv += [flag, str(value)]
+  if a.keep:
+    argv.append("--keep")
+  return argv
+
+
+def cmd_bench_elastic(a) -> int:
+  from emergency_ckpt.bench import elastic  # noqa: PLC0415 - pulls in JAX
+
+  os.makedirs(a.out, exist_ok=True)
+  return elastic.main(elastic_argv(a))
+
+
 def cmd_bench(a) -> int:
   if getattr(a, "scale", False):
     return cmd_bench_scale(a)
+  if getattr(a, "elastic", False):
+    return cmd_bench_elastic(a)
   run = _bench_module()
   argv = ["--out", a.out]
   if a.quick:
