@@ -86,13 +86,15 @@ class Inventory:
   def _check_placement(self) -> None:
     """Once per manager: does any machine run processes of two slices? The
     processes of each machine compare slices; the first of a shared machine
-    reports it (so everyone receives only the problems)."""
+    reports it (so everyone receives only the problems). Even with one slice
+    the machine's processes are found: their folders are live, never taken
+    as copies (local_tier.set_colocated)."""
     self._placement_checked = True
     topo = self._topology
-    if topo.num_slices == 1:
-      return
     mine = self._collectives.group_by("placement_hosts", self._host, topo.slice_index)
     self._local.set_colocated(mine)
+    if topo.num_slices == 1:
+      return
     report = None
     if len(set(mine.values())) > 1 and topo.process_index == min(mine):
       report = {"host": self._host, "processes": sorted(mine)}

@@ -168,7 +168,8 @@ class SavePipeline:
         nbytes = snapshot.layout.nbytes
         self._background.track(
           self._local.write_async(
-            snapshot, on_done=lambda r: self._after_local(r, data_state, sums)
+            snapshot,
+            on_done=lambda r: self._after_local(r, data_state, sums, decision.persistent),
           )
         )
       else:
@@ -206,28 +207,38 @@ class SavePipeline:
     )
 
   def _after_local(
-    self, result: WriteResult, data_state: dict | None, sums: _Checksums | None
+    self,
+    result: WriteResult,
+    data_state: dict | None,
+    sums: _Checksums | None,
+    persistent: bool = False,
   ) -> None:
     self.durable(result.step, "local", result.nbytes, result.error)
     link = self._redundancy
     if result.ok and link is not None and link.active:
       # The partner's copy first, then the state file: the step commits
       # once its partner holds it.
-      self._background.submit("redundancy", self._protect, result.step, data_state, sums)
+      self._background.submit(
+        "redundancy", self._protect, result.step, data_state, sums, persistent
+      )
     else:
       self._queue_state(result.step, data_state, sums, written=result.ok)
     if result.ok:
       self._retainer.after_local_write(result.step)
 
-  def _protect(self, step: int, data_state: dict | None, sums: _Checksums | None) -> None:
+  def _protect(
+    self, step: int, data_state: dict | None, sums: _Checksums | None, persistent: bool
+  ) -> None:
     """On the redundancy lane: sends the step to the partner, then queues
     the state file; if the partner did not store it and redundancy is
-    required, the state is never written, so the step never commits."""
+    required, the state is never written, so the step never commits,
+    unless it is a persistent step (the persistent tier holds it: it
+    commits, its local copy unprotected)."""
     try:
       nbytes, _ = self._redundancy.send(self._local.step_dir(step))
     except (OSError, PeerTransferError) as e:
       self.durable(step, self._options.local.redundancy, None, f"{type(e).__name__}: {e}")
-      if self._options.local.redundancy_required:
+      if self._options.local.redundancy_required and not persistent:
         logger.error(
           "%s step %d will not commit: its %s copy was not stored (%s);"
           " local.redundancy_required=False lets steps commit without it",

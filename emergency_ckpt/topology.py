@@ -624,10 +624,16 @@ def init_orbax_multihost() -> None:
     return
   from orbax.checkpoint._src.multihost import multihost  # noqa: PLC0415
 
-  if not multihost.is_runtime_to_distributed_ids_initialized():
-    multihost.initialize_runtime_to_distributed_ids()
-  if not multihost.is_distributed_to_device_ids_initialized():
-    multihost.initialize_distributed_to_device_ids()
+  # Two managers of one process set up on their own threads: Orbax's
+  # check-then-initialise is not atomic (the second one's key exists).
+  with _ORBAX_INIT_LOCK:
+    if not multihost.is_runtime_to_distributed_ids_initialized():
+      multihost.initialize_runtime_to_distributed_ids()
+    if not multihost.is_distributed_to_device_ids_initialized():
+      multihost.initialize_distributed_to_device_ids()
+
+
+_ORBAX_INIT_LOCK = threading.Lock()
 
 
 def reached_preemption(step: int) -> bool:

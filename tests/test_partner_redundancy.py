@@ -107,17 +107,23 @@ def test_the_same_position_lost_in_every_slice_is_rebuilt_from_partners(shm_dir)
     assert r["source"] == ("partner" if p in (1, 3) else "local"), r
 
 
-@pytest.mark.parametrize("required", [True, False])
-def test_a_step_commits_only_once_its_partner_holds_it(shm_dir, required):
+@pytest.mark.parametrize(
+  ("required", "persistent_interval", "want"),
+  [(True, 100, [1, 3]), (False, 100, [1, 2, 3]), (True, 2, [1, 2, 3])],
+)
+def test_a_step_commits_only_once_its_partner_holds_it(
+  shm_dir, required, persistent_interval, want
+):
   """Process 1 (process 0's partner) cannot store step 2: with redundancy
   required, step 2 never commits (its state is never written) and the run
-  goes on; with local.redundancy_required=False it commits unprotected."""
+  goes on; with local.redundancy_required=False it commits unprotected; a
+  persistent step commits anyway (the persistent tier holds it)."""
   args = {
     "slices": 1,
     "local_root": os.path.join(shm_dir, "local"),
     "persistent": os.path.join(shm_dir, "persistent"),
     "steps": [1, 2, 3],
-    "persistent_interval": 100,
+    "persistent_interval": persistent_interval,
     "local_keep": 3,
     "redundancy": "partner",
     "redundancy_required": required,
@@ -131,7 +137,6 @@ def test_a_step_commits_only_once_its_partner_holds_it(shm_dir, required):
     env={1: {"EC_FAILPOINTS": "partner.refuse@2"}},
     timeout_s=240,
   ).check()
-  want = [1, 2, 3] if not required else [1, 3]
   assert [r["all_steps"] for r in got] == [want, want], got
 
 
