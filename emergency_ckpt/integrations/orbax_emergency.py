@@ -172,6 +172,7 @@ class CheckpointManager:
     )
     self._manager = _Manager(self._options, mesh=global_mesh)
     self._newest: int | None = None  # the newest step saved or restored here
+    self._newest_saved: int | None = None  # the newest step saved here
     self.last_restore: RestoreResult | None = None
     """The last restore()'s result (step, data_state, source: local, peer or
     persistent), for logs and tests."""
@@ -206,15 +207,21 @@ class CheckpointManager:
     return self._manager.topology.slice_index == 0
 
   def all_steps(self, read: bool | None = None) -> list[int]:
-    """Restorable steps, oldest first (same on every process). Blocks on one
-    inventory exchange (`read` is accepted for Orbax's signature; the
-    answer always comes from storage markers)."""
+    """Restorable steps, oldest first (same on every process), plus, as in
+    Orbax (which lists a save as soon as it starts), the newest step this
+    manager saved even while that save is still in flight: callers use it to
+    skip saving a step twice. Blocks on one inventory exchange (`read` is
+    accepted for Orbax's signature; the answer comes from storage markers)."""
     del read
-    return self._manager.all_steps()
+    steps = self._manager.all_steps()
+    if self._newest_saved is not None and self._newest_saved not in steps:
+      steps = sorted([*steps, self._newest_saved])
+    return steps
 
   def latest_step(self) -> int | None:
-    """The newest restorable step, or None. Blocks on one inventory exchange."""
-    return self._manager.latest_step()
+    """The newest of all_steps(), or None. Blocks on one inventory exchange."""
+    steps = self.all_steps()
+    return steps[-1] if steps else None
 
   def best_step(self) -> int | None:
     """Orbax's emergency manager raises NotImplementedError; so does this
@@ -260,8 +267,9 @@ class CheckpointManager:
     PyTreeSave's save_args (Orbax chunking) and custom_metadata do
     not apply. Blocks on the host copy of this process's shards only; no
     collective. Returns True if any tier saved. As Orbax's: a step not newer
-    than the newest saved (or restored) one is not saved (False) unless
-    `force`, which raises StepAlreadyExistsError for that very step."""
+    than the newest one saved or restored by this manager is not saved
+    (False) unless `force`, which raises StepAlreadyExistsError for that
+    very step."""
     del custom_metadata
     if not force and self._newest is not None and step <= self._newest:
       _log.info("save(step=%d) skipped: step %d was already saved or restored", step, self._newest)
@@ -272,7 +280,7 @@ class CheckpointManager:
       raise StateMismatchError("save(args=Composite(state=PyTreeSave(item=...))) has no item.")
     saved = self._manager.save(step, prng_keys.to_data(state), force=force)
     if saved:
-      self._newest = step
+      self._newest = self._newest_saved = step
     return saved
 
   def restore(self, step: int | None, args: Any = None) -> Any:
@@ -292,7 +300,7 @@ class CheckpointManager:
       )
     result = self._manager.restore(prng_keys.abstract_data(abstract), step)
     self.last_restore = result
-    self._newest = result.step
+    self._newest = max(result.step, self._newest if self._newest is not None else result.step)
     return ocp.args.Composite(state=prng_keys.from_data(result.state, abstract))
 
   def item_metadata(self, step: int) -> Any:
