@@ -9,7 +9,11 @@ fsdp=2), emergency checkpointing on (`enable_emergency_checkpoint=true`,
 local every step, persistent every 3rd), made emergency_ckpt by
 `emergency_ckpt.integrations.maxtext.install()`.
 
-1. reference: 8 steps, uninterrupted;
+1. reference: 8 steps, uninterrupted, started as a user would:
+   `python -m emergency_ckpt.integrations.maxtext <MaxText args>` per
+   process, with MaxText's own jax.distributed set-up for CPU (its fixed
+   coordinator port 1234: one such job at a time); the two runs below go
+   through emergency_ckpt.testing.launcher (jax.distributed on a free port);
 2. the same run, SIGKILLed once step 5's checkpoint is durable; slice 1's
    ramdisk (its simulated host's folder on /dev/shm) is wiped;
 3. the same command again: MaxText restores step 5 (slice 0 from its
@@ -27,6 +31,9 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 import types
@@ -44,7 +51,7 @@ from emergency_ckpt.integrations import orbax_emergency as facade
 from emergency_ckpt.integrations.replica_axis import find_replica_axis
 from emergency_ckpt.telemetry import read_events
 from emergency_ckpt.testing.launcher import read_pid, run_job
-from tests.maxtext_scenarios import read_jsonl
+from tests.maxtext_scenarios import maxtext_argv, read_jsonl
 
 STEPS = 8
 KILL_AFTER = 5  # a local-only step: the persistent tier holds step 3
@@ -80,6 +87,61 @@ def _job(args: dict, out_dir: str):
   )
 
 
+MAXTEXT_CPU_PORT = 1234  # MaxText's CPU coordinator port, fixed (max_utils.initialize_jax_for_cpu)
+
+
+def _cli_job(args: dict, out_dir: str) -> list[str]:
+  """Runs the job the way a user does: `python -m emergency_ckpt.integrations.maxtext
+  <MaxText args>` per process, MaxText's own jax.distributed set-up for CPU
+  (its env variables, coordinator 127.0.0.1:1234). Returns each process's log;
+  asserts every process exited 0."""
+  with socket.socket() as s:  # a clear failure, not a hang, if another job holds it
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("127.0.0.1", MAXTEXT_CPU_PORT))
+  os.makedirs(args["output_dir"], exist_ok=True)
+  os.makedirs(out_dir, exist_ok=True)
+  procs, logs = [], []
+  for i in range(PROCESSES):
+    env = dict(
+      os.environ,
+      JAX_PLATFORMS="cpu",
+      XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}",
+      JAX_COORDINATOR_ADDRESS="127.0.0.1",
+      JOB_INDEX="0",
+      JOB_COMPLETION_INDEX=str(i),
+      PROCESSES_IN_JOB=str(PROCESSES),
+      JAX_PROCESS_COUNT=str(PROCESSES),
+      PYTHONUNBUFFERED="1",
+    )
+    logs.append(os.path.join(out_dir, f"log_{i}.txt"))
+    with open(logs[-1], "wb") as log:
+      procs.append(
+        subprocess.Popen(
+          [sys.executable, "-m", "emergency_ckpt.integrations.maxtext", *maxtext_argv(args, i)[1:]],
+          stdout=log,
+          stderr=subprocess.STDOUT,
+          env=env,
+          start_new_session=True,
+        )
+      )
+  deadline = time.monotonic() + JOB_TIMEOUT_S
+  for p in procs:
+    try:
+      p.wait(timeout=max(0.1, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+      for q in procs:
+        if q.poll() is None:
+          os.kill(q.pid, signal.SIGKILL)
+          q.wait()
+  texts = []
+  for path in logs:
+    with open(path, errors="replace") as f:
+      texts.append(f.read())
+  codes = [p.returncode for p in procs]
+  assert codes == [0] * PROCESSES, (codes, [t[-3000:] for t in texts])
+  return texts
+
+
 def _losses(args: dict, process: int) -> dict[int, float]:
   path = os.path.join(args["output_dir"], f"metrics_{args['tag']}_{process}.jsonl")
   return {int(m["step"]): m["learning/loss"] for m in read_jsonl(path)}
@@ -106,7 +168,9 @@ def _run_and_kill(args: dict, out_dir: str):
 def test_maxtext_resumes_from_peer_with_the_same_losses(shm_dir):
   t0 = time.monotonic()
   ref = _args(shm_dir, "ref", "reference")
-  _job(ref, os.path.join(shm_dir, "job_ref")).check()
+  # the reference run is the user's command, MaxText's own multi-process set-up
+  logs = _cli_job(ref, os.path.join(shm_dir, "job_ref"))
+  assert all("emergency_ckpt manager ready" in log for log in logs), logs[0][-3000:]
   reference = [_losses(ref, i) for i in range(PROCESSES)]
   assert sorted(reference[0]) == list(range(STEPS)), reference[0]
 

@@ -91,3 +91,18 @@ def install(*, replica_axis: str | int | None = None, overrides: Iterable[str] =
   factory = make_factory(replica_axis=replica_axis, overrides=overrides)
   setattr(emergency_checkpointing, _FACTORY, factory)
   setattr(checkpointing, _ALIAS, factory)
+
+
+def main() -> None:
+  """`python -m emergency_ckpt.integrations.maxtext CONFIG.yml key=value ...`:
+  MaxText's own train entry point (`maxtext.trainers.pre_train.train`, same
+  arguments, same jax.distributed set-up) with install() done first."""
+  from absl import app  # noqa: PLC0415
+  from maxtext.trainers.pre_train import train  # noqa: PLC0415
+
+  install()
+  app.run(train.main)
+
+
+if __name__ == "__main__":
+  main()
