@@ -7,30 +7,9 @@ os.environ.setdefault("FSSPEC_GCS_TOKEN", "anon")
 os.environ.setdefault("GOOGLE_AUTH_TOKEN_FOR_TESTING", "dummy")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import importlib.util  # noqa: E402
 import tempfile  # noqa: E402
 
 import pytest  # noqa: E402
-
-# tests/test_maxtext.py runs MaxText (Python >= 3.12), installed only in the
-# `maxtext` test environment (scripts/test sets EC_TEST_ENV there, and a
-# missing MaxText then fails it). Elsewhere it is not collected, and the
-# session header says so.
-_MAXTEXT_SKIP_REASON = None
-if os.environ.get("EC_TEST_ENV") != "maxtext":
-  if os.environ.get("EC_TEST_ENV") in ("floor", "latest"):
-    _MAXTEXT_SKIP_REASON = (
-      f"it runs in the 'maxtext' environment, not {os.environ['EC_TEST_ENV']!r}"
-    )
-  elif importlib.util.find_spec("maxtext") is None:
-    _MAXTEXT_SKIP_REASON = "MaxText is not installed here (scripts/setup-env maxtext)"
-collect_ignore = ["test_maxtext.py"] if _MAXTEXT_SKIP_REASON else []
-
-
-def pytest_report_header(config):
-  if _MAXTEXT_SKIP_REASON:
-    return f"tests/test_maxtext.py not collected: {_MAXTEXT_SKIP_REASON}"
-  return None
 
 
 @pytest.fixture
