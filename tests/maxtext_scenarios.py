@@ -112,8 +112,20 @@ def train(args: dict) -> dict:
     )
     emergency_checkpointing.create_emergency_checkpoint_manager = factory
     checkpointing.create_orbax_emergency_checkpoint_manager = factory
+  _start_together()
   maxtext_train.main(maxtext_argv(args, process))
   return {"process": process}
+
+
+def _start_together(timeout_s: int = 300) -> None:
+  """Waits until every process is here (after the slow imports), through the
+  coordination service: JAX's CPU collectives (gloo) give a process only 30 s
+  to join a new communicator, so on a loaded machine processes that start
+  training far apart fail MaxText's first collective (DEADLINE_EXCEEDED in
+  "Gloo context initialization"). Private JAX API; test harness only."""
+  from jax._src import distributed  # noqa: PLC0415
+
+  distributed.global_state.client.wait_at_barrier("ec_maxtext_start", timeout_s * 1000)
 
 
 def read_jsonl(path: str) -> list[dict]:

@@ -109,8 +109,12 @@ def _cli_job(args: dict, out_dir: str) -> list[str]:
   (its env variables, coordinator 127.0.0.1:1234). Returns each process's log;
   asserts every process exited 0."""
   with socket.socket() as s:  # a clear failure, not a hang, if another job holds it
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    s.bind(("127.0.0.1", MAXTEXT_CPU_PORT))
+    s.settimeout(1)
+    if s.connect_ex(("127.0.0.1", MAXTEXT_CPU_PORT)) == 0:
+      raise AssertionError(
+        f"port {MAXTEXT_CPU_PORT} is in use: another MaxText CPU job runs here (MaxText's"
+        " coordinator port is fixed); run one at a time"
+      )
   os.makedirs(args["output_dir"], exist_ok=True)
   os.makedirs(out_dir, exist_ok=True)
   procs, logs = [], []
@@ -151,8 +155,18 @@ def _cli_job(args: dict, out_dir: str) -> list[str]:
     with open(path, errors="replace") as f:
       texts.append(f.read())
   codes = [p.returncode for p in procs]
-  assert codes == [0] * PROCESSES, (codes, [t[-3000:] for t in texts])
+  if codes != [0] * PROCESSES:
+    tails = "\n".join(
+      f"--- process {i} rc={c}\n{_tail(t)}" for i, (c, t) in enumerate(zip(codes, texts))
+    )
+    raise AssertionError(f"the MaxText job failed (-9: killed after {JOB_TIMEOUT_S} s):\n{tails}")
   return texts
+
+
+def _tail(log: str, lines: int = 60) -> str:
+  """The end of a MaxText log, without its per-parameter config dump."""
+  kept = [line for line in log.splitlines() if "Config param" not in line and "[NO-OP]" not in line]
+  return "\n".join(kept[-lines:])
 
 
 def _losses(args: dict, process: int) -> dict[int, float]:
@@ -189,9 +203,8 @@ def test_maxtext_resumes_from_peer_with_the_same_losses(shm_dir):
 
   run = _args(shm_dir, "killed", "run", stop_after_step=KILL_AFTER)
   killed = _run_and_kill(run, os.path.join(shm_dir, "job_killed"))
-  assert killed.returncodes == [-signal.SIGKILL] * PROCESSES, (
-    killed.returncodes,
-    [log[-3000:] for log in killed.logs],
+  assert killed.returncodes == [-signal.SIGKILL] * PROCESSES, "\n".join(
+    [str(killed.returncodes), *(_tail(log) for log in killed.logs)]
   )
   # slice 1's host is replaced: its ramdisk is empty
   wiped = os.path.join(run["local_root"], "host1")
