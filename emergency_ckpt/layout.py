@@ -251,6 +251,23 @@ def walk_local(root: str) -> LocalRootListing:
 
 
 # ---- local root: leaving the step namespace -------------------------------------------
+def replace_step(tmp: str, final: str) -> None:
+  """Renames the finished folder `tmp` to `final`, removing what was there
+  first (renamed out of the namespace, so no reader sees half of it)."""
+  old = rename_out_of_namespace(final)
+  if old is not None:
+    remove_renamed(old)
+  os.rename(tmp, final)
+
+
+def drop_steps(folder: str, steps) -> None:
+  """Removes these `step_<N>` folders of `folder` (each renamed away first)."""
+  for step in steps:
+    gone = rename_out_of_namespace(local_step_dir(folder, step))
+    if gone is not None:
+      remove_renamed(gone)
+
+
 def rename_out_of_namespace(path: str) -> str | None:
   """Renames a local step folder to a `.tmp-delete-` name beside it, so a
   crash mid-delete never leaves a listed, partial step (the leftover goes

@@ -123,18 +123,11 @@ class Receiver(stream.Listener):
         f.flush()
         os.fsync(f.fileno())
       local_read.read_step(tmp)  # every shard against its CRC32C: never keep a torn copy
-      final = layout.local_step_dir(folder, step)
-      old = layout.rename_out_of_namespace(final)
-      if old is not None:
-        layout.remove_renamed(old)
-      os.rename(tmp, final)
+      layout.replace_step(tmp, layout.local_step_dir(folder, step))
     except BaseException:
       shutil.rmtree(tmp, ignore_errors=True)
       raise
-    for older in layout.list_local_steps(folder)[: -self._keep]:
-      gone = layout.rename_out_of_namespace(layout.local_step_dir(folder, older))
-      if gone is not None:
-        layout.remove_renamed(gone)
+    layout.drop_steps(folder, layout.list_local_steps(folder)[: -self._keep])
 
 
 def send(offer: dict, partner: int, step_dir: str, *, timeout_s: float) -> int:

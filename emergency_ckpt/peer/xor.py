@@ -178,18 +178,11 @@ class ParityReceiver(stream.Listener):
           f.write(data)
           f.flush()
           os.fsync(f.fileno())
-      final = layout.local_step_dir(self._dir, step)
-      old = layout.rename_out_of_namespace(final)
-      if old is not None:
-        layout.remove_renamed(old)
-      os.rename(tmp, final)
+      layout.replace_step(tmp, layout.local_step_dir(self._dir, step))
     except BaseException:
       shutil.rmtree(tmp, ignore_errors=True)
       raise
-    for older in parity_steps(self._dir)[: -self._keep]:
-      gone = layout.rename_out_of_namespace(layout.local_step_dir(self._dir, older))
-      if gone is not None:
-        layout.remove_renamed(gone)
+    layout.drop_steps(self._dir, parity_steps(self._dir)[: -self._keep])
 
 
 def _signed(body: dict) -> bytes:
