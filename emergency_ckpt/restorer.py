@@ -298,7 +298,7 @@ class Restorer:
     topo = self._topology
     shapes = [tuple(a.shape) for a in abstract]
     dtypes = [shards_lib.dtype_name(a.dtype) for a in abstract]
-    out = _Copies({}, None, [], set(), {}, {})
+    out = _Copies()
     bad: set[int] = set()
     for process, (where, copy) in sorted(self._local.copies().get(cand.step, {}).items()):
       if copy.topology != cand.reshard_topology or copy.slice not in cand.reshard:
@@ -341,7 +341,7 @@ class Restorer:
     many processes saved the step (its COMMIT, read by _try_load)."""
     topo = self._topology
     if plan.reshard_slices:
-      copies = local if local is not None else _Copies({}, None, [], set(), {}, {})
+      copies = local if local is not None else _Copies()
       saved = None
       if copies.layout is not None:
         sources = [copies.slice_processes[s] for s in plan.reshard_slices]
@@ -441,17 +441,17 @@ class Restorer:
 class _Copies:
   """A host's verified copies of a step written on another mesh."""
 
-  copies: dict[int, Any]
+  copies: dict[int, Any] = dataclasses.field(default_factory=dict)
   """{saved process: LocalStep, arrays in the restored tree's order}."""
-  layout: dict | None
+  layout: dict | None = None
   """reshard.SavedLayout JSON (None if this host holds no copy)."""
-  slice_processes: list
+  slice_processes: list = dataclasses.field(default_factory=list)
   """The saved topology's slice_processes."""
-  partner: set[int]
+  partner: set[int] = dataclasses.field(default_factory=set)
   """Saved processes whose copy here came from them as their partner."""
-  xor_files: dict
+  xor_files: dict = dataclasses.field(default_factory=dict)
   """{(saved process, "data" | "parity"): bytes} for XOR rebuilds."""
-  xor_groups: dict
+  xor_groups: dict = dataclasses.field(default_factory=dict)
   """{saved process: its parity block's group.json body}."""
 
 

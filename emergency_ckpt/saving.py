@@ -63,7 +63,6 @@ class _Checksums:
     """This process's shard CRC32Cs: from `local`'s manifest of the step if
     its write succeeded (it summed these very bytes), else summed from the
     snapshot (checksums.snapshot_crcs); lets go of the snapshot, once."""
-    release, self.release = self.release, lambda: None
     try:
       if local is not None:
         try:
@@ -74,7 +73,12 @@ class _Checksums:
           return got
       return checksums.snapshot_crcs(self.snapshot.layout, self.snapshot.buffer)
     finally:
-      release()
+      self.let_go()
+
+  def let_go(self) -> None:
+    """Lets go of the snapshot (once; later calls do nothing)."""
+    release, self.release = self.release, lambda: None
+    release()
 
 
 class SavePipeline:
@@ -247,9 +251,8 @@ class SavePipeline:
           self._options.local.redundancy,
           e,
         )
-        if sums is not None:  # lets go of the snapshot
-          release, sums.release = sums.release, lambda: None
-          release()
+        if sums is not None:
+          sums.let_go()
         return
     else:
       self.durable(step, self._options.local.redundancy, nbytes)

@@ -74,7 +74,13 @@ class Topology:
     return {p: s for s, procs in enumerate(self.slice_processes) for p in procs}
 
   def fingerprint(self) -> dict[str, Any]:
-    """What a local-tier step must match to be read back by this job."""
+    """What a local-tier step must match to be read back by this job (a
+    fresh dict each call; its O(processes) lists are built once: every save
+    records it)."""
+    return dict(self._fingerprint)
+
+  @functools.cached_property
+  def _fingerprint(self) -> dict[str, Any]:
     return {
       "process_count": self.process_count,
       "slice_processes": [list(p) for p in self.slice_processes],

@@ -139,24 +139,15 @@ def send(offer: dict, partner: int, step_dir: str, *, timeout_s: float) -> int:
   with open(os.path.join(step_dir, local_format.MANIFEST), "rb") as f:
     raw = f.read()
   body = local_format.decode_manifest(raw, step_dir)
-  with open(os.path.join(step_dir, local_format.SHARDS), "rb") as shards:
-    nbytes = os.fstat(shards.fileno()).st_size
-    with socket.create_connection((offer["host"], offer["port"]), timeout=timeout_s) as sock:
-      sock.sendall(stream.MAGIC + bytes.fromhex(offer["token"]))
-      header = {
-        "step": body["step"],
-        "process": body["process_index"],
-        "nbytes": nbytes,
-        "manifest": raw.hex(),
-      }
-      stream._send_json(sock, header)  # noqa: SLF001
-      # socket.sendfile: os.sendfile underneath, waiting (within the socket's
-      # timeout) whenever the send buffer is full; a bare os.sendfile loop on
-      # this socket (O_NONBLOCK under a Python timeout) raises EAGAIN there.
-      sent = sock.sendfile(shards, 0, nbytes)
-      if sent != nbytes:
-        raise ConnectionError(f"partner {partner} stopped reading after {sent} bytes")
-      reply = stream._recv_json(sock)  # noqa: SLF001
+  path = os.path.join(step_dir, local_format.SHARDS)
+  nbytes = os.path.getsize(path)
+  header = {
+    "step": body["step"],
+    "process": body["process_index"],
+    "nbytes": nbytes,
+    "manifest": raw.hex(),
+  }
+  reply = stream.send_file(offer, header, path, 0, nbytes, timeout_s=timeout_s)
   if not reply.get("ok"):
     raise PeerTransferError(f"partner process {partner} did not store step {body['step']}: {reply}")
   return nbytes

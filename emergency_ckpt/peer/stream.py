@@ -281,6 +281,27 @@ def request(offer: dict, sender: int, step: int, shards: list, *, timeout_s: flo
     yield sock, records
 
 
+def send_file(
+  offer: dict, header: dict, path: str, offset: int, length: int, *, timeout_s: float
+) -> dict:
+  """Connects to a Listener (its `offer`), sends `header` (JSON) and then
+  bytes [offset, offset + length) of the file at `path`, and returns the
+  JSON answer. socket.sendfile: os.sendfile underneath, waiting (within the
+  timeout) whenever the send buffer is full; a bare os.sendfile loop on
+  this socket (non-blocking under a Python timeout) raises EAGAIN there.
+  Raises OSError."""
+  with (
+    open(path, "rb") as f,
+    socket.create_connection((offer["host"], offer["port"]), timeout=timeout_s) as sock,
+  ):
+    sock.sendall(MAGIC + bytes.fromhex(offer["token"]))
+    _send_json(sock, header)
+    sent = sock.sendfile(f, offset, length)
+    if sent != length:
+      raise ConnectionError(f"the receiver stopped reading after {sent} of {length} bytes")
+    return _recv_json(sock)
+
+
 def recv_into(sock: socket.socket, view: np.ndarray) -> None:
   """Fills the contiguous uint8 array `view` from `sock`."""
   _recv_exact(sock, memoryview(view))

@@ -228,17 +228,7 @@ def send(
       "length": length,
       "manifest": raw.hex(),
     }
-    with (
-      open(path, "rb") as shards,
-      socket.create_connection((offer["host"], offer["port"]), timeout=timeout_s) as sock,
-    ):
-      sock.sendall(stream.MAGIC + bytes.fromhex(offer["token"]))
-      stream._send_json(sock, header)  # noqa: SLF001
-      # socket.sendfile waits whenever the send buffer is full (see partner.send)
-      sent = sock.sendfile(shards, off, length)
-      if sent != length:
-        raise ConnectionError(f"member {proc} stopped reading after {sent} bytes")
-      reply = stream._recv_json(sock)  # noqa: SLF001
+    reply = stream.send_file(offer, header, path, off, length, timeout_s=timeout_s)
     if not reply.get("ok"):
       raise PeerTransferError(f"group member {proc} did not store its parity block: {reply}")
     return length
