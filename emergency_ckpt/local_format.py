@@ -209,3 +209,45 @@ def verify_step_dir(path: str) -> tuple[dict | None, list[str]]:
       if not checksum_ok(buf[s["offset"] : s["offset"] + s["nbytes"]], s):
         problems.append(f"{path}: leaf {leaf['path']} shard {s['index']} fails its checksum")
   return body, problems
+
+
+class StreamChecksums:
+  """Every shard's CRC32C of a step's shards.bin (manifest `body`), summed
+  over its bytes as they arrive in file order: a receiver checks a copy
+  while the bytes are still in cache, instead of reading the file again.
+  update() the bytes at [pos, pos + len(data)), in order; check() raises
+  CorruptCheckpointError naming the first shard that does not match."""
+
+  def __init__(self, body: dict, where: str):
+    self._where = where
+    self._spans = sorted(
+      (
+        (int(s["offset"]), int(s["nbytes"]), leaf["path"], s)
+        for leaf in body["leaves"]
+        for s in leaf["shards"]
+      ),
+      key=lambda t: t[0],
+    )
+    self._crcs = [0] * len(self._spans)
+    self._next = 0  # the first span not yet summed whole
+
+  def update(self, pos: int, data) -> None:
+    end, i = pos + len(data), self._next
+    while i < len(self._spans):
+      off, n = self._spans[i][0], self._spans[i][1]
+      if off >= end:
+        break
+      lo, hi = max(off, pos), min(off + n, end)
+      if hi > lo:
+        self._crcs[i] = crc32c.crc32c(data[lo - pos : hi - pos], self._crcs[i])
+      if off + n > end:
+        break
+      i += 1
+    self._next = i
+
+  def check(self) -> None:
+    for (_, _, path, s), crc in zip(self._spans, self._crcs):
+      if "crc32c" not in s or s["crc32c"] != crc:
+        raise CorruptCheckpointError(
+          f"{self._where}/{SHARDS}: leaf {path} shard {s['index']} fails its checksum on arrival"
+        )

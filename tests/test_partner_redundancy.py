@@ -39,8 +39,16 @@ def test_every_step_lives_in_the_partners_ramdisk_too(one_slice, shm_dir):
   args = rh.copy_run(one_slice, shm_dir)
   for p in range(4):
     partner = (p + 1) % 4
-    held = sorted(os.listdir(_partner_dir(args, partner, p)))
-    assert held == ["step_2", "step_3", "step_4", "step_5"], (p, held)  # max_to_keep + 1
+    names = sorted(os.listdir(_partner_dir(args, partner, p)))
+    held = [n for n in names if not n.startswith(".tmp-")]
+    assert held == ["step_2", "step_3", "step_4", "step_5"], (p, names)  # max_to_keep + 1
+    # and step 1's folder, kept as the spare the next step is written over
+    spares = [n for n in names if n.startswith(".tmp-spare-")]
+    assert len(spares) == 1 and len(names) == 5, (p, names)
+    spare = os.path.join(_partner_dir(args, partner, p), spares[0], "shards.bin")
+    assert os.path.getsize(spare) == os.path.getsize(
+      os.path.join(_partner_dir(args, partner, p), "step_5", "shards.bin")
+    )
     for step in (2, 3, 4, 5):
       where = os.path.join(_partner_dir(args, partner, p), f"step_{step}")
       body, problems = local_format.verify_step_dir(where)

@@ -13,22 +13,26 @@ import numpy as np
 import pytest
 
 from emergency_ckpt import local_format, local_read, xor_parity
+from emergency_ckpt.errors import PeerTransferError
 from emergency_ckpt.peer import partner, xor
 
 MIB = 1 << 20
 
 
-def _step(folder: str, process: int, nbytes: int, seed: int) -> tuple[str, bytes]:
-  """A local step folder of one float32 leaf of `nbytes` random bytes."""
+def _step(
+  folder: str, process: int, nbytes: int, seed: int, step: int = 7, crc_of: bytes | None = None
+) -> tuple[str, bytes]:
+  """A local step folder of one float32 leaf of `nbytes` random bytes (its
+  manifest's checksum that of `crc_of`, if given: a damaged copy)."""
   data = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8).tobytes()
-  where = os.path.join(folder, f"process_{process}", "step_7")
+  where = os.path.join(folder, f"process_{process}", f"step_{step}")
   os.makedirs(where)
   with open(os.path.join(where, local_format.SHARDS), "wb") as f:
     f.write(data)
   n = nbytes // 4
   body = {
     "format": local_format.FORMAT,
-    "step": 7,
+    "step": step,
     "run_id": "r",
     "process_index": process,
     "nbytes": nbytes,
@@ -38,7 +42,12 @@ def _step(folder: str, process: int, nbytes: int, seed: int) -> tuple[str, bytes
         "shape": [n],
         "dtype": "float32",
         "shards": [
-          {"index": [[0, n]], "offset": 0, "nbytes": nbytes, "crc32c": crc32c.crc32c(data)}
+          {
+            "index": [[0, n]],
+            "offset": 0,
+            "nbytes": nbytes,
+            "crc32c": crc32c.crc32c(crc_of or data),
+          }
         ],
       }
     ],
@@ -60,6 +69,35 @@ def test_partner_send_of_a_large_step(tmp_path):
   kept = os.path.join(partner.partner_dir(str(tmp_path / "partner_host"), 3), "step_7")
   got = local_read.read_step(kept)  # every shard verified
   assert got.arrays[0][((0, len(data) // 4),)].tobytes() == data
+
+
+def test_partner_steps_are_written_over_the_spare_and_checked_on_arrival(tmp_path):
+  """Retired steps' files are written over (one spare per sender), each new
+  step bit-exact; a step whose bytes do not match its manifest is refused
+  and leaves nothing behind."""
+  host = str(tmp_path / "partner_host")
+  receiver = partner.Receiver(host, "127.0.0.1", keep=2, timeout_s=30, log_prefix="[t]")
+  kept = partner.partner_dir(host, 3)
+  sent = {}
+  try:
+    for step in range(1, 6):
+      where, sent[step] = _step(str(tmp_path / f"s{step}"), 3, 6 * MIB, step, step)
+      partner.send(receiver.offer(), 1, where, timeout_s=30)
+      names = sorted(os.listdir(kept))
+      spares = [n for n in names if n.startswith(".tmp-spare-")]
+      assert len(spares) == (step > 2), names
+    bad, _ = _step(str(tmp_path / "bad"), 3, 6 * MIB, 99, 6, crc_of=b"other bytes")
+    with pytest.raises(PeerTransferError, match="checksum"):
+      partner.send(receiver.offer(), 1, bad, timeout_s=30)
+  finally:
+    receiver.close()
+  assert sorted(n for n in os.listdir(kept) if not n.startswith(".tmp-spare-")) == [
+    "step_4",
+    "step_5",
+  ]
+  for step in (4, 5):
+    got = local_read.read_step(os.path.join(kept, f"step_{step}"))
+    assert got.arrays[0][((0, 6 * MIB // 4),)].tobytes() == sent[step]
 
 
 @pytest.mark.parametrize("k", [2, 3])

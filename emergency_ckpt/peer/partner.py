@@ -33,14 +33,14 @@ import shutil
 import socket
 from collections.abc import Mapping, Sequence
 
-from emergency_ckpt import failpoints, layout, local_format, local_read
+from emergency_ckpt import failpoints, layout, local_format
 from emergency_ckpt.errors import PeerTransferError
 from emergency_ckpt.peer import stream
 
 logger = logging.getLogger("emergency_ckpt")
 
 PARTNER_DIR = layout.PARTNER_DIR
-_CHUNK = 8 << 20
+_CHUNK = 1 << 20  # received, summed and written while in cache
 
 
 def choose_partner(
@@ -80,6 +80,7 @@ class Receiver(stream.Listener):
     self._keep = keep
     self._timeout_s = timeout_s
     self._prefix = log_prefix
+    _cleanup(process_dir)
     self._start(host, ports)
 
   def _handle(self, conn: socket.socket) -> None:
@@ -90,44 +91,103 @@ class Receiver(stream.Listener):
       body = local_format.decode_manifest(bytes.fromhex(header["manifest"]), "partner header")
       if body.get("step") != step or body.get("process_index") != sender:
         raise ValueError(f"header names step {step} of process {sender}, its manifest another")
-      self._store(conn, step, sender, int(header["nbytes"]), header["manifest"])
+      self._store(conn, step, sender, int(header["nbytes"]), body, header["manifest"])
       stream._send_json(conn, {"ok": True})  # noqa: SLF001
     except Exception as e:  # noqa: BLE001 - the sender sees no "ok" and reports it
       logger.warning("%s partner: a step was not stored: %s", self._prefix, e)
       with contextlib.suppress(OSError):
         stream._send_json(conn, {"error": str(e)})  # noqa: SLF001
 
-  def _store(self, conn, step: int, sender: int, nbytes: int, manifest_hex: str) -> None:
-    """Writes the step into a temporary folder, then renames it into place."""
+  def _store(
+    self, conn, step: int, sender: int, nbytes: int, body: dict, manifest_hex: str
+  ) -> None:
+    """Writes the step into a temporary folder, every shard checked against
+    its CRC32C as its bytes arrive (still in cache: no second pass over the
+    file), then renames it into place."""
     if failpoints.armed("partner.refuse", step):
       raise OSError("failpoint partner.refuse")  # a test: the partner cannot store it
+    if body.get("nbytes") != nbytes:
+      raise ValueError(f"the header says {nbytes} bytes, the manifest {body.get('nbytes')}")
     folder = partner_dir(self._dir, sender)
     os.makedirs(folder, mode=0o700, exist_ok=True)
     tmp = os.path.join(folder, layout.tmp_step_dir_name(step))
     os.mkdir(tmp, 0o700)
     try:
-      with open(os.path.join(tmp, local_format.SHARDS), "wb") as f:
-        buf = bytearray(min(_CHUNK, max(nbytes, 1)))
-        view = memoryview(buf)
-        left = nbytes
-        while left:
-          n = conn.recv_into(view[: min(len(buf), left)])
-          if not n:
-            raise ConnectionError(f"connection closed with {left} of {nbytes} bytes to go")
-          f.write(view[:n])
-          left -= n
+      checks = local_format.StreamChecksums(body, tmp)
+      path = os.path.join(tmp, local_format.SHARDS)
+      reused = _take_spare(folder, nbytes, path)
+      with open(path, "r+b" if reused else "wb") as f:
+        _receive(conn, f, nbytes, checks)
         f.flush()
         os.fsync(f.fileno())
+      checks.check()  # never keep a torn or damaged copy
       with open(os.path.join(tmp, local_format.MANIFEST), "wb") as f:
         f.write(bytes.fromhex(manifest_hex))
         f.flush()
         os.fsync(f.fileno())
-      local_read.read_step(tmp)  # every shard against its CRC32C: never keep a torn copy
       layout.replace_step(tmp, layout.local_step_dir(folder, step))
     except BaseException:
       shutil.rmtree(tmp, ignore_errors=True)
       raise
-    layout.drop_steps(folder, layout.list_local_steps(folder)[: -self._keep])
+    _retire(folder, layout.list_local_steps(folder)[: -self._keep])
+
+
+def _cleanup(process_dir: str) -> None:
+  """Removes what a crashed incarnation left in the partner folders (steps
+  being received, spares, deletions: `.tmp-*`)."""
+  root = os.path.join(process_dir, PARTNER_DIR)
+  for name in os.listdir(root) if os.path.isdir(root) else ():
+    folder = os.path.join(root, name)
+    if layout.process_of_dir_name(name) is None or os.path.islink(folder):
+      continue
+    for entry in os.listdir(folder):
+      if layout.is_tmp_name(entry):
+        shutil.rmtree(os.path.join(folder, entry), ignore_errors=True)
+
+
+def _retire(folder: str, steps: Sequence[int]) -> None:
+  """Drops these steps of a sender's folder, keeping the newest one's folder
+  as the spare (`.tmp-spare-<hex>`) whose shards.bin the next step is
+  written over: its tmpfs pages exist, so receiving allocates none
+  (measured for the local tier: 0.05 against 0.13 cpu-s per 256 MiB)."""
+  steps = list(steps)
+  if steps and not any(layout.is_spare_name(n) for n in os.listdir(folder)):
+    with contextlib.suppress(OSError):
+      os.rename(
+        layout.local_step_dir(folder, steps.pop()), os.path.join(folder, layout.spare_dir_name())
+      )
+  layout.drop_steps(folder, steps)
+
+
+def _take_spare(folder: str, nbytes: int, dest: str) -> bool:
+  """Moves a spare shards.bin of exactly `nbytes` to `dest` (True), removing
+  spares of another size; False if none fits."""
+  found = False
+  for name in os.listdir(folder):
+    if not layout.is_spare_name(name):
+      continue
+    spare = os.path.join(folder, name)
+    shards = os.path.join(spare, local_format.SHARDS)
+    with contextlib.suppress(OSError):
+      if not found and os.stat(shards).st_size == nbytes:
+        os.rename(shards, dest)
+        found = True
+    shutil.rmtree(spare, ignore_errors=True)
+  return found
+
+
+def _receive(conn: socket.socket, f, nbytes: int, checks: local_format.StreamChecksums) -> None:
+  """`nbytes` from `conn` into the file `f`, through one small buffer that
+  stays in cache while its bytes are summed and written."""
+  view = memoryview(bytearray(min(_CHUNK, max(nbytes, 1))))
+  pos = 0
+  while pos < nbytes:
+    n = conn.recv_into(view[: min(len(view), nbytes - pos)])
+    if not n:
+      raise ConnectionError(f"connection closed with {nbytes - pos} of {nbytes} bytes to go")
+    checks.update(pos, view[:n])
+    f.write(view[:n])
+    pos += n
 
 
 def send(offer: dict, partner: int, step_dir: str, *, timeout_s: float) -> int:
