@@ -565,6 +565,12 @@ class LocalTier:
       raise CorruptCheckpointError(f"{parity.where}/{xor_lib.PARITY_FILE} fails its checksum")
     return out
 
+  def mapped(self, st: os.stat_result) -> bool:
+    """Whether a read mapped the file of `st` (restored arrays may alias its
+    pages: it must never be written over). Any thread."""
+    with self._spare_lock:
+      return (st.st_dev, st.st_ino) in self._mapped
+
   def _note_mapped(self, st: os.stat_result) -> None:
     with self._spare_lock:
       self._mapped.add((st.st_dev, st.st_ino))

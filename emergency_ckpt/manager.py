@@ -129,6 +129,7 @@ class CheckpointManager:
       collectives=self._collectives,
       process_dir=self._local.directory,
       host_label=host,
+      mapped=self._local.mapped,
     )
     self._saves = SavePipeline(
       options,

@@ -35,7 +35,9 @@ class Partner:
   """This process's partner link: a receiver for the step its own partner
   sender (another process) sends, and where to send its own steps."""
 
-  def __init__(self, options, *, topology, collectives, process_dir: str, host_label: str):
+  def __init__(
+    self, options, *, topology, collectives, process_dir: str, host_label: str, mapped=None
+  ):
     """Called by: every process (two collectives: group_by, exchange_some)."""
     self._options = options
     self._prefix = topology.log_prefix()
@@ -47,6 +49,7 @@ class Partner:
       timeout_s=options.collective_timeout_s,
       log_prefix=self._prefix,
       ports=options.peer.port_range,
+      mapped=mapped,
     )
     same = collectives.group_by("partner_hosts", host_label, topology.slice_index)
     me = topology.process_index
@@ -141,9 +144,11 @@ class Xor:
 
 
 def start(
-  options, *, topology, collectives, process_dir: str, host_label: str
+  options, *, topology, collectives, process_dir: str, host_label: str, mapped=None
 ) -> Partner | Xor | None:
   """The redundancy link `options.local.redundancy` asks for (None: none).
+  `mapped(stat)`: whether a restore mapped that file (the local tier's
+  LocalTier.mapped): a partner copy's file is then never written over.
   Called by: every process, the same options everywhere."""
   if options.local.redundancy == "none" or topology.process_count == 1:
     return None
@@ -161,4 +166,5 @@ def start(
     collectives=collectives,
     process_dir=process_dir,
     host_label=host_label,
+    mapped=mapped,
   )

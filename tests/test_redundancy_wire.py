@@ -100,6 +100,22 @@ def test_partner_steps_are_written_over_the_spare_and_checked_on_arrival(tmp_pat
     assert got.arrays[0][((0, 6 * MIB // 4),)].tobytes() == sent[step]
 
 
+def test_a_partner_copy_a_restore_mapped_is_never_written_over(tmp_path):
+  """Restored arrays may alias a mapped copy's pages: such a file is unlinked
+  when retired, never kept as the spare."""
+  host = str(tmp_path / "partner_host")
+  receiver = partner.Receiver(
+    host, "127.0.0.1", keep=1, timeout_s=30, log_prefix="[t]", mapped=lambda st: True
+  )
+  try:
+    for step in range(1, 4):
+      where, _ = _step(str(tmp_path / f"s{step}"), 3, MIB, step, step)
+      partner.send(receiver.offer(), 1, where, timeout_s=30)
+  finally:
+    receiver.close()
+  assert sorted(os.listdir(partner.partner_dir(host, 3))) == ["step_3"]
+
+
 @pytest.mark.parametrize("k", [2, 3])
 def test_xor_send_and_rebuild_of_large_steps(tmp_path, k):
   sizes = [20 * MIB + 12, 9 * MIB + 4, 16 * MIB][:k]

@@ -31,7 +31,8 @@ import logging
 import os
 import shutil
 import socket
-from collections.abc import Mapping, Sequence
+import stat
+from collections.abc import Callable, Mapping, Sequence
 
 from emergency_ckpt import failpoints, layout, local_format
 from emergency_ckpt.errors import PeerTransferError
@@ -75,8 +76,12 @@ class Receiver(stream.Listener):
     timeout_s: float,
     log_prefix: str,
     ports: tuple[int, int] | None = None,
+    mapped: Callable[[os.stat_result], bool] | None = None,
   ):
+    """`mapped(stat)`: whether a restore mapped that file (its pages may be
+    aliased by restored arrays): such a retired copy is never written over."""
     self._dir = process_dir
+    self._mapped = mapped or (lambda st: False)
     self._keep = keep
     self._timeout_s = timeout_s
     self._prefix = log_prefix
@@ -115,7 +120,7 @@ class Receiver(stream.Listener):
     try:
       checks = local_format.StreamChecksums(body, tmp)
       path = os.path.join(tmp, local_format.SHARDS)
-      reused = _take_spare(folder, nbytes, path)
+      reused = _take_spare(folder, nbytes, path, self._mapped)
       with open(path, "r+b" if reused else "wb") as f:
         _receive(conn, f, nbytes, checks)
         f.flush()
@@ -129,7 +134,7 @@ class Receiver(stream.Listener):
     except BaseException:
       shutil.rmtree(tmp, ignore_errors=True)
       raise
-    _retire(folder, layout.list_local_steps(folder)[: -self._keep])
+    _retire(folder, layout.list_local_steps(folder)[: -self._keep], self._mapped)
 
 
 def _cleanup(process_dir: str) -> None:
@@ -145,23 +150,25 @@ def _cleanup(process_dir: str) -> None:
         shutil.rmtree(os.path.join(folder, entry), ignore_errors=True)
 
 
-def _retire(folder: str, steps: Sequence[int]) -> None:
+def _retire(folder: str, steps: Sequence[int], mapped) -> None:
   """Drops these steps of a sender's folder, keeping the newest one's folder
   as the spare (`.tmp-spare-<hex>`) whose shards.bin the next step is
   written over: its tmpfs pages exist, so receiving allocates none
   (measured for the local tier: 0.05 against 0.13 cpu-s per 256 MiB)."""
   steps = list(steps)
-  if steps and not any(layout.is_spare_name(n) for n in os.listdir(folder)):
+  newest = layout.local_step_dir(folder, steps[-1]) if steps else None
+  if newest and not any(layout.is_spare_name(n) for n in os.listdir(folder)):
     with contextlib.suppress(OSError):
-      os.rename(
-        layout.local_step_dir(folder, steps.pop()), os.path.join(folder, layout.spare_dir_name())
-      )
+      if not mapped(os.stat(os.path.join(newest, local_format.SHARDS), follow_symlinks=False)):
+        os.rename(
+          layout.local_step_dir(folder, steps.pop()), os.path.join(folder, layout.spare_dir_name())
+        )
   layout.drop_steps(folder, steps)
 
 
-def _take_spare(folder: str, nbytes: int, dest: str) -> bool:
+def _take_spare(folder: str, nbytes: int, dest: str, mapped) -> bool:
   """Moves a spare shards.bin of exactly `nbytes` to `dest` (True), removing
-  spares of another size; False if none fits."""
+  spares of another size or that a restore mapped; False if none fits."""
   found = False
   for name in os.listdir(folder):
     if not layout.is_spare_name(name):
@@ -169,7 +176,8 @@ def _take_spare(folder: str, nbytes: int, dest: str) -> bool:
     spare = os.path.join(folder, name)
     shards = os.path.join(spare, local_format.SHARDS)
     with contextlib.suppress(OSError):
-      if not found and os.stat(shards).st_size == nbytes:
+      st = os.stat(shards, follow_symlinks=False)
+      if not found and st.st_size == nbytes and stat.S_ISREG(st.st_mode) and not mapped(st):
         os.rename(shards, dest)
         found = True
     shutil.rmtree(spare, ignore_errors=True)

@@ -164,13 +164,28 @@ def transfer(
       offers, error = {}, error or f"process {me}: no address from a holder ({e})"
     if error is None:
       try:
-        buffer = aligned_empty(layout.nbytes)
+        buffer = aligned_empty(layout.nbytes)  # pages are touched only where written
+        whole: dict[tuple[int, tuple], np.ndarray] = {}  # new shards that are a saved one here
         for p in pieces:
           if p.local:
             src = copies[p.saved_process].arrays[p.leaf][p.index]
-            _dest(buffer, layout, p)[...] = src[reshard.relative(p.box, p.index)]
+            if p.box == p.index == p.slot.index:  # the copy's own array: nothing copied
+              whole[(p.leaf, p.slot.index)] = src
+            else:
+              _dest(buffer, layout, p)[...] = src[reshard.relative(p.box, p.index)]
         _pull_all(offers, by_sender, layout, paths, buffer, step=step, timeout_s=timeout_s)
-        arrays = shards_lib.assemble_buffer(abstract, layout, buffer)
+        arrays = [
+          shards_lib.assemble(
+            a,
+            {
+              slot.index: whole.get((n, slot.index))
+              if (n, slot.index) in whole
+              else shards_lib.view(buffer, leaf, slot)
+              for slot in leaf.slots
+            },
+          )
+          for n, (a, leaf) in enumerate(zip(abstract, layout.leaves))
+        ]
         kinds = {keys[sp][0] for sp in by_sender}
         remote = (
           "parity"
@@ -339,8 +354,12 @@ def _pull(offer, sender, items, layout, paths, buffer, step, timeout_s) -> None:
       where = f"leaf {paths[p.leaf]} box {p.box} of step {step} from saved process {sender}"
       if record.get("nbytes") != nbytes:
         raise CorruptCheckpointError(f"{where}: {record.get('nbytes')} bytes, expected {nbytes}")
-      raw = aligned_empty(nbytes)
+      if p.box == p.slot.index:  # the whole new shard: straight into its place
+        raw = buffer[p.slot.offset : p.slot.offset + p.slot.nbytes]
+      else:
+        raw = aligned_empty(nbytes)
       stream.recv_into(sock, raw)
       if not checksum_ok(raw, record):
         raise CorruptCheckpointError(f"{where} fails its checksum on arrival")
-      _dest(buffer, layout, p)[...] = raw.view(dtype).reshape(shape)
+      if p.box != p.slot.index:
+        _dest(buffer, layout, p)[...] = raw.view(dtype).reshape(shape)

@@ -226,6 +226,8 @@ class Server(Listener):
       if got is None or self._paths[leaf_no] != path or (box is not None and key in self._ready):
         return {"error": f"no shard {index} of leaf {path} here"}, [], []
       raw, record, arr = got
+      if box is not None and _index_key(box) == key[1]:
+        box = None  # the whole shard: as saved, with the checksum recorded at save
       if box is None:
         records.append({k: v for k, v in record.items() if k in ("nbytes", "crc32c", "crc32")})
       else:  # verified when read: checksummed again as sent
