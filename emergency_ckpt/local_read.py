@@ -24,18 +24,23 @@ def read_step(
   abstract: Any = None,
   paths: Sequence[str] | None = None,
   on_map: Callable[[os.stat_result], None] | None = None,
+  verify: bool = True,
 ) -> LocalStep:
   """The step's shards as arrays over a private mapping of `shards.bin`
   (nothing copied), each checked against its CRC32C: those `abstract`
   describes (a pytree, or with `paths` the flat list), or every saved shard
-  if None. `on_map` gets the file's stat before it is mapped.
+  if None. `on_map` gets the file's stat before it is mapped. verify=False
+  (every saved shard only): nothing checked yet, the caller checks each
+  shard it uses against its manifest record (reshard_stream: a partner's
+  copy, checked once, by whoever receives it).
 
   Raises OSError (files absent), CorruptCheckpointError (bad bytes),
   TopologyMismatchError (a needed shard absent), StateMismatchError (tree,
   shape or dtype differ)."""
   body = local_format.read_manifest(where)
   if abstract is None:
-    return LocalStep(body["step"], body, verify_buffer(body, _map(where, body, on_map), where))
+    buf = _map(where, body, on_map)
+    return LocalStep(body["step"], body, verify_buffer(body, buf, where, check=verify))
   if paths is None:
     paths, abstract, _ = shards_lib.leaf_paths(abstract)
   compat.check_tree([leaf["path"] for leaf in body["leaves"]], paths, where)
@@ -51,10 +56,12 @@ def _map(where: str, body: dict, on_map) -> Any:
     return local_format.map_open(f, body["nbytes"], where)
 
 
-def verify_buffer(body: dict, buf: Any, where: str) -> list[dict[tuple, Any]]:
+def verify_buffer(
+  body: dict, buf: Any, where: str, *, check: bool = True
+) -> list[dict[tuple, Any]]:
   """Per saved leaf of the manifest `body`, {index: shard array} of every
-  shard in `buf` (a step's shards.bin bytes), each verified; raises
-  CorruptCheckpointError naming `where`."""
+  shard in `buf` (a step's shards.bin bytes), each verified (check=False:
+  sizes only); raises CorruptCheckpointError naming `where`."""
   out = []
   for leaf in body["leaves"]:
     dtype = shards_lib.dtype_from_name(leaf["dtype"])
@@ -62,7 +69,7 @@ def verify_buffer(body: dict, buf: Any, where: str) -> list[dict[tuple, Any]]:
     for s in leaf["shards"]:
       index = tuple(tuple(r) for r in s["index"])
       data = buf[s["offset"] : s["offset"] + s["nbytes"]]
-      if len(data) != s["nbytes"] or not local_format.checksum_ok(data, s):
+      if len(data) != s["nbytes"] or (check and not local_format.checksum_ok(data, s)):
         raise CorruptCheckpointError(
           f"{where}/{local_format.SHARDS}: leaf {leaf['path']} shard {index} fails its checksum"
         )

@@ -536,13 +536,14 @@ class LocalTier:
       where, abstract=list(abstract), paths=list(paths), on_map=self._note_mapped
     )
 
-  def read_copy(self, where: str) -> LocalStep:
+  def read_copy(self, where: str, *, verify: bool = True) -> LocalStep:
     """Every shard of the copy in `where` (a folder copies() lists),
-    verified; its file is never recycled afterwards. Blocks on one checksum
-    pass. Raises OSError or CorruptCheckpointError."""
+    verified (verify=False: not yet, see local_read.read_step); its file is
+    never recycled afterwards. Blocks on one checksum pass. Raises OSError
+    or CorruptCheckpointError."""
     if os.path.islink(where) or not os.path.isdir(where):
       raise CorruptCheckpointError(f"{where} is not a step folder the local tier wrote")
-    return local_read.read_step(where, on_map=self._note_mapped)
+    return local_read.read_step(where, on_map=self._note_mapped, verify=verify)
 
   def xor_files(self, where: str, parity: Parity) -> dict[tuple[int, str], Any]:
     """{(process, "data"): the copy's shards.bin in `where`, (process,

@@ -303,8 +303,8 @@ class Restorer:
     for process, (where, copy) in sorted(self._local.copies().get(cand.step, {}).items()):
       if copy.topology != cand.reshard_topology or copy.slice not in cand.reshard:
         continue
-      try:
-        step = self._local.read_copy(where)
+      try:  # a partner's copy: each shard is checked where it is used (reshard_stream)
+        step = self._local.read_copy(where, verify=not copy.partner)
       except (OSError, CorruptCheckpointError) as e:  # CorruptCheckpointError is an OSError
         logger.warning("%s copy %s of step %d unusable: %s", topo.log_prefix(), where, cand.step, e)
         bad.add(copy.slice)
@@ -323,6 +323,7 @@ class Restorer:
       out.copies[process] = dataclasses.replace(step, arrays=[by_path[p] for p in paths])
       if copy.partner:
         out.partner.add(process)
+        out.unverified.add(process)
       elif cand.reshard_parity.get(copy.slice):  # a group of its slice needs a rebuild
         parity = self._local.parity().get(cand.step, {}).get(process)
         if parity is not None and parity.copy.topology == copy.topology:
@@ -353,6 +354,7 @@ class Restorer:
         copies.copies,
         saved,
         partner_held=copies.partner,
+        unverified=copies.unverified,
         partner_only=plan.reshard_partner,
         parity_only=plan.reshard_parity,
         groups=plan.reshard_groups,
@@ -453,6 +455,9 @@ class _Copies:
   """{(saved process, "data" | "parity"): bytes} for XOR rebuilds."""
   xor_groups: dict = dataclasses.field(default_factory=dict)
   """{saved process: its parity block's group.json body}."""
+  unverified: set[int] = dataclasses.field(default_factory=set)
+  """Saved processes whose copy here is not checked yet (a partner's: each
+  shard is checked once, where it is used or received)."""
 
 
 class _Damaged(Exception):

@@ -340,3 +340,42 @@ def test_plan_split_cuts_contiguous_runs_of_equal_bytes():
   assert sorted(mine0) == sorted(order[:4]) and sorted(mine1) == sorted(order[4:])
   assert list(pulls0) == [1] and list(pulls1) == [0]  # from the counterpart
   assert [(n, s.index) for n, s in pulls0[1]] == order[4:]
+
+
+def _boxes(server, request: list) -> tuple[dict, list[bytes]]:
+  """A raw request of [leaf, path, index, box] items: (reply, the bytes)."""
+  with peer_stream.request(server.offer(), 0, 7, request, timeout_s=10) as (sock, records):
+    got = []
+    for record in records:
+      buf = np.empty(record["nbytes"], np.uint8)
+      peer_stream.recv_into(sock, buf)
+      got.append((record, buf.tobytes()))
+  return got
+
+
+def test_an_unverified_shard_is_checked_before_a_part_is_cut_and_sent_whole_as_recorded():
+  """A partner's copy is not checked when read (reshard_stream): the server
+  checks a shard before cutting a part of it, and sends a whole one with
+  the checksum recorded at save, which the receiver checks."""
+  local, paths, arrays = _local()
+  good, bad = ((0, 1000),), ((1000, 2000),)
+  arrays[0][bad].view(np.uint32)[10] ^= 1  # damaged after its checksum was recorded
+  unverified = {(0, good), (0, bad)}
+  server = peer_stream.Server(
+    "127.0.0.1", local, paths, timeout_s=10, log_prefix="[t]", unverified=unverified
+  )
+  try:
+    part = [[0, paths[0], [list(r) for r in good], [[10, 20]]]]
+    ((record, raw),) = _boxes(server, part)  # checked whole first, then cut
+    assert raw == arrays[0][good][10:20].tobytes() and record == {
+      "nbytes": 40,
+      **shard_checksum(raw),
+    }
+    with pytest.raises(PeerTransferError, match="fails its checksum"):
+      _boxes(server, [[0, paths[0], [list(r) for r in bad], [[1010, 1020]]]])
+    whole = [[0, paths[0], [list(r) for r in bad], [list(r) for r in bad]]]
+    ((record, raw),) = _boxes(server, whole)  # sent as saved: its recorded checksum
+    recorded = local.manifest["leaves"][0]["shards"][1]["crc32c"]
+    assert record["crc32c"] == recorded and shard_checksum(raw)["crc32c"] != recorded
+  finally:
+    server.close()

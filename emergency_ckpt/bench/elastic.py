@@ -26,7 +26,7 @@ one job per row and round, the rows interleaved in each round:
                     fresh one)
   p2p_persistent    Orbax P2P, as p2p_same with the ramdisks wiped
 
-First the driver compiles emergency_ckpt to bytecode (precompile()). Before
+First the driver compiles emergency_ckpt to bytecode (measure.precompile()). Before
 every job it resets hosts 0-1's ramdisks from a copy taken
 after the save job (or wipes them) and evicts the persistent directory from
 the page cache (a restart after a slice loss finds a cold persistent tier).
@@ -51,6 +51,8 @@ import statistics
 import sys
 import tempfile
 import time
+
+from emergency_ckpt.bench import measure
 
 OURS, P2P = "emergency_ckpt", "orbax_p2p"
 SAVES = 2  # ours keeps 2 local steps by default; both are on the ramdisks
@@ -460,21 +462,6 @@ def _loadavg() -> list[float] | None:
     return None
 
 
-def precompile() -> bool:
-  """Writes emergency_ckpt's bytecode (__pycache__), as pip does when it
-  installs a package, so every job imports it from bytecode like Orbax and
-  JAX (site-packages, compiled at install). Where PYTHONDONTWRITEBYTECODE is
-  set (it is on the machine these figures come from) and the package runs
-  from a source checkout, each job process would otherwise compile ~44
-  modules at import: 0.17-0.46 s of CPU per process in a profile of a
-  4-process restart, charged to ours only. True if every module compiled."""
-  import compileall  # noqa: PLC0415
-
-  import emergency_ckpt  # noqa: PLC0415
-
-  return bool(compileall.compile_dir(os.path.dirname(emergency_ckpt.__file__), quiet=1))
-
-
 def main(argv=None) -> int:
   """Runs the benchmark; 0 when every row of ours ran, restored the newest
   step and was bit-exact (Orbax's rows are reported, whatever they do)."""
@@ -485,7 +472,7 @@ def main(argv=None) -> int:
   shm_root = tempfile.mkdtemp(prefix="ecbench-elastic-", dir=args.shm_root)
   disk_root = tempfile.mkdtemp(prefix="ecbench-elastic-", dir=args.persistent_root)
   driver = Driver(args, shm_root, disk_root)
-  precompiled = precompile()
+  precompiled = measure.precompile()
   load_start = _loadavg()
   started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
   progress(f"{args.mib_per_replica} MiB per replica, {args.reps} round(s), rows {args.rows}")

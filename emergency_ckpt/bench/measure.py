@@ -144,3 +144,18 @@ def reset_dir(path: str) -> None:
 
 def now() -> float:
   return time.perf_counter()
+
+
+def precompile() -> bool:
+  """Writes emergency_ckpt's bytecode (__pycache__), as pip does when it
+  installs a package, so every job imports it from bytecode like Orbax and
+  JAX (site-packages, compiled at install). Where PYTHONDONTWRITEBYTECODE is
+  set (it is on the machine these figures come from) and the package runs
+  from a source checkout, each job process would otherwise compile ~44
+  modules at import: 0.17-0.46 s of CPU per process in a profile of a
+  4-process restart, charged to ours only. True if every module compiled."""
+  import compileall  # noqa: PLC0415
+
+  import emergency_ckpt  # noqa: PLC0415
+
+  return bool(compileall.compile_dir(os.path.dirname(emergency_ckpt.__file__), quiet=1))

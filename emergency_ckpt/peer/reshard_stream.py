@@ -34,20 +34,31 @@ from emergency_ckpt.staging import aligned_empty
 logger = logging.getLogger("emergency_ckpt")
 
 
-def merged(step: int, copies: Mapping[int, LocalStep], paths: Sequence[str]) -> LocalStep:
+def merged(
+  step: int,
+  copies: Mapping[int, LocalStep],
+  paths: Sequence[str],
+  unverified: set[int] = frozenset(),
+) -> tuple[LocalStep, set]:
   """One LocalStep serving every shard of `copies` (each in `paths` order),
-  for stream.Server: the same index in two copies holds the same bytes."""
+  for stream.Server: the same index in two copies holds the same bytes
+  (taken from a verified copy where one has it); and the (leaf number,
+  index) of those taken from an `unverified` copy."""
   arrays: list[dict] = [{} for _ in paths]
   records: list[dict] = [{} for _ in paths]
-  for local in copies.values():
+  loose = set()
+  for sp, local in sorted(copies.items(), key=lambda kv: kv[0] in unverified):
     saved = {leaf["path"]: leaf for leaf in local.manifest["leaves"]}
     for leaf_no, (path, by_index) in enumerate(zip(paths, local.arrays)):
       for index, arr in by_index.items():
-        arrays[leaf_no].setdefault(index, arr)
+        if index not in arrays[leaf_no]:
+          arrays[leaf_no][index] = arr
+          if sp in unverified:
+            loose.add((leaf_no, index))
       for rec in saved[path]["shards"]:
         records[leaf_no].setdefault(tuple(tuple(r) for r in rec["index"]), rec)
   leaves = [{"path": p, "shards": list(r.values())} for p, r in zip(paths, records)]
-  return LocalStep(step, {"leaves": leaves}, arrays)
+  return LocalStep(step, {"leaves": leaves}, arrays), loose
 
 
 def transfer(
@@ -58,6 +69,7 @@ def transfer(
   saved: Mapping[str, Any] | None,
   *,
   partner_held: set[int] = frozenset(),
+  unverified: set[int] = frozenset(),
   partner_only: Sequence[Sequence[int]] = (),
   parity_only: Sequence[Sequence[int]] = (),
   groups: Sequence[Sequence[Sequence[int]]] = (),
@@ -78,7 +90,10 @@ def transfer(
   saved slices}), None on a process with no copy. Per serving saved slice
   (the plan's): `partner_only`, the positions only partner copies hold
   (`partner_held`: the saved processes whose copy here is such);
-  `parity_only`, the positions rebuilt from their XOR `groups`
+  `unverified`: saved processes whose copy here is not checked yet: each
+  of its shards is checked before it is used here or cut for a receiver
+  (a whole shard is sent with its recorded checksum, which the receiver
+  checks). `parity_only`, the positions rebuilt from their XOR `groups`
   (positions). `xor_files`: {(saved process, "data" | "parity"): bytes}
   of the copies here that have their parity block here, `xor_groups`
   their group.json bodies. Raises PeerTransferError on every process if
@@ -121,14 +136,16 @@ def transfer(
       try:
         if host is None:
           raise OSError("no address: set peer.host (see PeerOptions)")
+        serving, loose = merged(step, copies, paths, unverified)
         servers.append(
           stream.Server(
             host,
-            merged(step, copies, paths),
+            serving,
             paths,
             timeout_s=timeout_s,
             log_prefix=topology.log_prefix(),
             ports=ports,
+            unverified=loose,
           )
         )
         offer = servers[-1].offer()
@@ -166,9 +183,12 @@ def transfer(
       try:
         buffer = aligned_empty(layout.nbytes)  # pages are touched only where written
         whole: dict[tuple[int, tuple], np.ndarray] = {}  # new shards that are a saved one here
+        checked: set = set()  # (saved process, path, index) of unverified shards checked
         for p in pieces:
           if p.local:
             src = copies[p.saved_process].arrays[p.leaf][p.index]
+            if p.saved_process in unverified:
+              _check(copies[p.saved_process], paths[p.leaf], p.index, src, checked)
             if p.box == p.index == p.slot.index:  # the copy's own array: nothing copied
               whole[(p.leaf, p.slot.index)] = src
             else:
@@ -240,11 +260,14 @@ class _Keys:
 def _rebuild(
   step, paths, sources, parity_only, groups, files, bodies, servers, **kw
 ) -> tuple[dict[int, LocalStep], str | None]:
-  """The XOR rebuild phase (every process calls it; one exchange): the
+  """The XOR rebuild phase (every process calls it; one exchange when the
+  plan rebuilds anything): the
   saved processes this process rebuilds ({saved process: LocalStep, arrays
   in `paths` order}) and an error, if any. Holders of a survivor's data and
   parity serve byte ranges (RangeServer, added to `servers`); the first
   survivor of each group with a lost member rebuilds it."""
+  if not any(parity_only):  # the same plan everywhere: no process rebuilds, none waits
+    return {}, None
   topology, collectives, timeout_s = kw["topology"], kw["collectives"], kw["timeout_s"]
   needed, tasks = set(), []  # survivors to serve; (lost, group processes) to rebuild here
   for i, procs in enumerate(sources):
@@ -315,6 +338,21 @@ def _rebuild(
       error = f"process {topology.process_index}: rebuilding saved process {lost} ({type(e).__name__}: {e})"
       logger.warning("%s %s", topology.log_prefix(), error)
   return out, error
+
+
+def _check(copy: LocalStep, path: str, index, arr: np.ndarray, checked: set) -> None:
+  """Checks a shard of a copy not yet verified (once) against its manifest
+  record; raises CorruptCheckpointError."""
+  key = (copy.manifest.get("process_index"), path, index)
+  if key in checked:
+    return
+  leaf = next(leaf for leaf in copy.manifest["leaves"] if leaf["path"] == path)
+  record = next(s for s in leaf["shards"] if tuple(tuple(r) for r in s["index"]) == index)
+  if not checksum_ok(arr.reshape(-1).view(np.uint8), record):
+    raise CorruptCheckpointError(
+      f"leaf {path} shard {index} of saved process {key[0]}'s copy fails its checksum"
+    )
+  checked.add(key)
 
 
 def _dest(buffer: np.ndarray, layout: shards_lib.Layout, p: reshard.Piece) -> np.ndarray:

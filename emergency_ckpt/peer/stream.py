@@ -167,12 +167,17 @@ class Server(Listener):
     log_prefix: str,
     ports: tuple[int, int] | None = None,
     ready: Mapping[tuple[int, tuple], concurrent.futures.Future] | None = None,
+    unverified: set[tuple[int, tuple]] = frozenset(),
   ):
     """`ready`: {(leaf number, index): future} of shards still being
     written into `local`'s buffer: each is sent once its future is done
     (a failed one drops the connection), so serving starts before they
-    all exist (persistent_share's pipelined read)."""
+    all exist (persistent_share's pipelined read). `unverified`: (leaf
+    number, index) of shards not checked yet: sent whole with their
+    recorded checksum (the receiver checks it), checked here first before
+    a part of one is cut."""
     self._ready = dict(ready or {})
+    self._unverified = set(unverified)
     self._timeout_s = timeout_s
     self._prefix = log_prefix
     self._step = local.step
@@ -230,7 +235,11 @@ class Server(Listener):
         box = None  # the whole shard: as saved, with the checksum recorded at save
       if box is None:
         records.append({k: v for k, v in record.items() if k in ("nbytes", "crc32c", "crc32")})
-      else:  # verified when read: checksummed again as sent
+      else:  # verified when read (or now): checksummed again as sent
+        if key in self._unverified:
+          if not checksum_ok(raw, record):
+            return {"error": f"shard {index} of leaf {path} here fails its checksum"}, [], []
+          self._unverified.discard(key)
         part = arr[tuple(slice(a - i0, b - i0) for (a, b), (i0, _) in zip(box, key[1]))]
         raw = np.ascontiguousarray(part).reshape(-1).view(np.uint8)
         records.append({"nbytes": raw.nbytes, **shard_checksum(raw)})

@@ -49,6 +49,7 @@ logger = logging.getLogger("emergency_ckpt")
 XOR_DIR = layout.XOR_DIR
 PARITY_FILE = "parity.bin"
 GROUP_FILE = "group.json"
+_PIECE = 1 << 20  # received and XORed while in cache
 
 
 def xor_dir(process_dir: str) -> str:
@@ -77,6 +78,8 @@ class _Pending:
     self.k = k
     self.acc = np.zeros(0, np.uint8)
     self.seen: dict[int, dict] = {}  # sender's member index -> its header
+    self.arriving: set[int] = set()  # members whose chunk is being received
+    self.lock = threading.Lock()  # guards acc
     self.done = threading.Event()
     self.error: str | None = None
 
@@ -108,8 +111,7 @@ class ParityReceiver(stream.Listener):
     """One member's chunk of a step; answers once the block is durable."""
     try:
       header = stream._recv_json(conn)  # noqa: SLF001
-      chunk = stream._recv_bytes(conn, int(header["length"]))  # noqa: SLF001
-      pending = self._add(header, chunk)
+      pending = self._add(header, conn)
       if not pending.done.wait(self._timeout_s):
         with self._lock:  # the step is given up: drop its accumulator
           if self._pending.get(int(header["step"])) is pending:
@@ -126,19 +128,46 @@ class ParityReceiver(stream.Listener):
       with contextlib.suppress(OSError):
         stream._send_json(conn, {"error": str(e)})  # noqa: SLF001
 
-  def _add(self, header: dict, chunk: bytes) -> _Pending:
+  def _add(self, header: dict, conn: socket.socket) -> _Pending:
+    """Receives one member's chunk from `conn`, XORed into the step's block
+    piece by piece as it arrives (each piece still in cache); the last
+    chunk of the step stores the block."""
     step, i, k = int(header["step"]), int(header["member"]), len(self._group)
+    length = int(header["length"])
     if header["group"] != self._group or i == self._member or not 0 <= i < k:
       raise ValueError(f"a chunk from member {i} of group {header['group']}, not of {self._group}")
     with self._lock:
       pending = self._pending.setdefault(step, _Pending(k))
-      if len(chunk) > len(pending.acc):
-        grown = np.zeros(len(chunk), np.uint8)
+      if i in pending.seen or i in pending.arriving:
+        raise ValueError(f"member {i} sent step {step} twice")
+      pending.arriving.add(i)
+    with pending.lock:
+      if length > len(pending.acc):
+        grown = np.zeros(length, np.uint8)
         grown[: len(pending.acc)] = pending.acc
         pending.acc = grown
-      xp.xor_into(pending.acc, chunk)
+    view = memoryview(bytearray(min(_PIECE, max(length, 1))))
+    piece = np.frombuffer(view, np.uint8)
+    pos = 0
+    try:
+      while pos < length:
+        n = conn.recv_into(view[: min(len(view), length - pos)])
+        if not n:
+          raise ConnectionError(f"connection closed after {pos} of {length} bytes")
+        with pending.lock:
+          xp.xor_into(pending.acc[pos:], piece[:n])
+        pos += n
+    except BaseException:
+      with self._lock:  # a torn chunk poisons the step's block: drop it
+        if self._pending.get(step) is pending:
+          del self._pending[step]
+      pending.error = f"member {i}'s chunk of step {step} was cut off"
+      pending.done.set()
+      raise
+    with self._lock:
+      pending.arriving.discard(i)
       pending.seen[i] = header
-      complete = len(pending.seen) == k - 1
+      complete = len(pending.seen) == k - 1 and self._pending.get(step) is pending
       if complete:
         del self._pending[step]
     if complete:
@@ -155,8 +184,10 @@ class ParityReceiver(stream.Listener):
     length = xp.block_length(
       [int(headers[i]["nbytes"]) if i in headers else 0 for i in range(pending.k)], self._member
     )
-    block = np.zeros(max(length, len(pending.acc)), np.uint8)
-    block[: len(pending.acc)] = pending.acc
+    block = pending.acc
+    if length > len(block):
+      block = np.zeros(length, np.uint8)
+      block[: len(pending.acc)] = pending.acc
     body = {
       "step": step,
       "group": self._group,
@@ -171,7 +202,7 @@ class ParityReceiver(stream.Listener):
     os.mkdir(tmp, 0o700)
     try:
       for name, data in (
-        (PARITY_FILE, block.tobytes()),
+        (PARITY_FILE, memoryview(block)),
         (GROUP_FILE, _signed(body)),
       ):
         with open(os.path.join(tmp, name), "wb") as f:
