@@ -198,12 +198,12 @@ class PersistentTierOptions:
   the job's slice count means every slice. None: the measured rule,
   min(slices, model bytes // 256 MiB), at least 1: one slice reads models
   under 512 MiB, and every reader reads at least 256 MiB. Measured on one
-  2-core machine (fake-gcs-server, README "Persistent tier"): one reader was
-  never slower than the split (2 slices, 4-256 MiB; 4 slices, 4-128 MiB),
-  the split up to 1.4x slower on small models (each reader's fixed cost);
-  the split's gain, R times the read bandwidth and each reader's egress cut
-  R-fold, needs slices on hosts of their own, which one machine cannot
-  show."""
+  2-core machine (fake-gcs-server; README, Persistent tier): at 4-16 MiB
+  one reader took 0.66-1.06x the per-process read's time, the split
+  0.96-1.43x (each reader's fixed cost); at 64-256 MiB they were within
+  noise of each other. The split's gain (R times the read bandwidth, each
+  reader's egress cut R-fold) needs slices on hosts of their own, which one
+  machine cannot show, so the crossover is set above the sizes measured."""
 
   def __post_init__(self):
     _require(isinstance(self.compression, bool), "persistent.compression must be true or false.")

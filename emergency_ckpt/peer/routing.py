@@ -118,14 +118,15 @@ def plan_split(
 
 
 # The measured rule's unit: every reader slice reads at least this much.
-# Measured (benchmarks/results/2026-11-25-shared-read/): on one 2-core
-# machine, where every slice shares the cores and the bucket server, one
-# reader slice was never slower than the split from 4 to 256 MiB (2 slices)
-# and 4 to 128 MiB (4 slices), and the split was up to 1.4x slower on small
-# models (each reader's fixed cost: Orbax metadata, tensorstore opens). What
-# the split buys, R times the read bandwidth and each reader's egress cut
-# R-fold, needs slices on hosts of their own; it is kept for models where
-# every reader still reads 256 MiB (the largest share measured here).
+# Measured (benchmarks/results/2026-11-25-shared-read/, one 2-core machine
+# where every slice shares the cores and one fake-gcs-server): at 4-16 MiB
+# one reader restored in 0.66-1.06x the per-process read's time and the
+# split in 0.96-1.43x (2 and 4 slices): each reader pays a fixed cost (Orbax
+# metadata, tensorstore opens). From 64 to 256 MiB the modes were within
+# each other's noise (one reader 0.59-1.16x, the split 0.66-0.92x). The
+# split's gain, R times the read bandwidth and each reader's egress cut
+# R-fold, needs slices on hosts of their own, which one machine cannot
+# show: the crossover is put above the sizes measured here, not measured.
 SHARED_READ_MIN_BYTES = 256 << 20
 
 
