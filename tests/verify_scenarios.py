@@ -87,7 +87,8 @@ def save(args: dict) -> list[int]:
 
 def restore_once(args: dict) -> dict[str, Any]:
   """With every ramdisk lost: one restore (persistent.shared_read as
-  args['shared_read'], shared_read_slices as args.get('shared_read_slices')), step, source, mismatches and wall time."""
+  args['shared_read'], shared_read_slices as args.get('shared_read_slices')):
+  step, source, mismatches and wall time."""
   import dataclasses  # noqa: PLC0415
   import time  # noqa: PLC0415
 
