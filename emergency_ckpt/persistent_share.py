@@ -2,13 +2,16 @@
 
 When every slice restores the same step from the persistent tier (no ramdisk
 holds it), each slice reading the whole model costs S x its bytes in bucket
-egress, bill and bandwidth. Here each process reads from storage only the
-slots routing.plan_split gives its slice (about 1/S of its shards, each
-checked against its recorded CRC32C like any persistent read), serves them
-over the stream transport (peer/stream.py: authenticated TCP, the sender's
-CRC32C checked on arrival), and pulls the rest from the processes at its
-mesh coordinates in the other slices: the model leaves the bucket once per
-restore, and the slices read their parts side by side.
+egress, bill and bandwidth. Here R of the S slices read (routing.reader_slices:
+persistent.shared_read_slices, else the measured rule: one slice for small
+models, more as the model grows): each process of slices 0..R-1 reads from
+storage only the slots routing.plan_split gives its slice (about 1/R of its
+shards, each checked against its recorded CRC32C like any persistent read)
+and serves them over the stream transport (peer/stream.py: authenticated
+TCP, the sender's CRC32C checked on arrival); every process pulls the rest
+from the processes at its mesh coordinates in the reading slices (a slice
+that reads nothing pulls everything and serves nothing): the model leaves
+the bucket once per restore, and the readers read their parts side by side.
 
 Pipelined: a process serves while it reads. Its server starts before the
 read, each shard gated on its own read and check, with the CRC32C recorded
@@ -41,6 +44,7 @@ from typing import Any
 import crc32c
 import numpy as np
 
+from emergency_ckpt import compat
 from emergency_ckpt import shards as shards_lib
 from emergency_ckpt.errors import (
   CollectiveTimeoutError,
@@ -140,23 +144,36 @@ def read_shared(
   host: str | None,
   timeout_s: float,
   ports: tuple[int, int] | None = None,
+  readers: int | None = None,
 ) -> list | None:
   """This process's arrays of persistent step `step` (per leaf of
   abstract_tree), read in part here and in part by the other slices; None
   if the transfer failed on some process (then every process returns None:
   read the step per process). Raises CorruptCheckpointError on every
   process if a shard failed its checksum anywhere, StateMismatchError (on
-  every process alike) if abstract_tree does not fit the step."""
+  every process alike) if abstract_tree does not fit the step. `readers`:
+  how many slices read from storage (routing.reader_slices: None is the
+  measured rule; more than the slices means all)."""
   paths, abstract, _ = shards_lib.leaf_paths(abstract_tree)
   layout = shards_lib.layout_for(paths, abstract)
+  model_bytes = sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in abstract)
   mine, pulls = routing.plan_split(
     layout,
     np.asarray(mesh.devices),
     topology.replica_axis_index,
     topology.num_slices,
     topology.slice_index,
+    routing.reader_slices(topology.num_slices, model_bytes, readers),
   )
   me = topology.process_index
+  if not mine:  # a receiving slice: no read, but the same fit check as a reader's
+    compat.check_state(
+      {p: (shape, shards_lib.dtype_from_name(dt)) for p, (shape, dt) in expected.arrays.items()},
+      paths,
+      abstract,
+      f"persistent step {step}",
+      ordered=False,
+    )
   select = lambda n, slot: (n, slot.index) in mine  # noqa: E731
   crcs = _recorded(expected, layout, paths, mine)  # None: not every slot is a saved shard
   buffer = aligned_empty(layout.nbytes)
@@ -178,7 +195,9 @@ def read_shared(
 
   failure: dict | None = None
   reading = None
-  if gates:  # pipelined: serve while reading
+  if not mine:
+    pass  # nothing to read or serve; nobody asks this process for an offer
+  elif gates:  # pipelined: serve while reading
     pool = concurrent.futures.ThreadPoolExecutor(1, "ec-shared-read")
     reading = pool.submit(read)
     pool.shutdown(wait=False)  # the thread ends with the read
@@ -187,7 +206,7 @@ def read_shared(
   server, offer = None, None
   if failure is not None:
     offer = {"error": failure["error"]}
-  else:
+  elif mine:
     try:
       if host is None:
         raise OSError("no address: set peer.host (see PeerOptions)")

@@ -402,6 +402,7 @@ class Restorer:
         host=peer_host(self._options.peer.host),
         timeout_s=self._options.collective_timeout_s,
         ports=self._options.peer.port_range,
+        readers=self._options.persistent.shared_read_slices,
       )
       if arrays is not None:
         return jax.tree_util.tree_unflatten(treedef, arrays)

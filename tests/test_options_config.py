@@ -111,6 +111,26 @@ INVALID = [
     lambda: PersistentTierOptions(directory="/p", max_to_keep=-3),
     "persistent.max_to_keep",
   ),
+  (
+    "persistent_shared_read_slices_0",
+    lambda: PersistentTierOptions(directory="/p", shared_read_slices=0),
+    "persistent.shared_read_slices",
+  ),
+  (
+    "persistent_shared_read_slices_bool",
+    lambda: PersistentTierOptions(directory="/p", shared_read_slices=True),
+    "persistent.shared_read_slices",
+  ),
+  (
+    "persistent_shared_read_slices_str",
+    lambda: PersistentTierOptions(directory="/p", shared_read_slices="2"),
+    "persistent.shared_read_slices",
+  ),
+  (
+    "persistent_shared_read_str",
+    lambda: PersistentTierOptions(directory="/p", shared_read="yes"),
+    "persistent.shared_read",
+  ),
   ("manager_local_wrong_type", lambda: manager(local={"directory": "/x"}), "local"),
   ("manager_persistent_wrong_type", lambda: manager(persistent=LOCAL), "persistent"),
   ("replica_axis_bool", lambda: manager(replica_axis=True), "replica_axis"),
@@ -253,6 +273,21 @@ def test_load_config_equals_dataclass_built_in_code(tmp_path):
     state_commit_timeout_s=900.5,
   )
   assert got == want
+
+
+def test_shared_read_slices_from_yaml_and_override(tmp_path):
+  path = write(
+    tmp_path,
+    """
+    local: {directory: /dev/shm/c}
+    persistent: {directory: /mnt/p, shared_read: true, shared_read_slices: 1}
+    """,
+  )
+  got = load_config(path)
+  assert (got.persistent.shared_read, got.persistent.shared_read_slices) == (True, 1)
+  got = load_config(path, ["persistent.shared_read_slices=null"])
+  assert got.persistent.shared_read_slices is None
+  assert PersistentTierOptions(directory="/p").shared_read_slices is None
 
 
 def test_load_config_minimal_uses_defaults(tmp_path):

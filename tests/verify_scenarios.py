@@ -87,7 +87,8 @@ def save(args: dict) -> list[int]:
 
 def restore_once(args: dict) -> dict[str, Any]:
   """With every ramdisk lost: one restore (persistent.shared_read as
-  args['shared_read']), step, source, mismatches and wall time."""
+  args['shared_read'], shared_read_slices as args.get('shared_read_slices')):
+  step, source, mismatches and wall time."""
   import dataclasses  # noqa: PLC0415
   import time  # noqa: PLC0415
 
@@ -95,7 +96,12 @@ def restore_once(args: dict) -> dict[str, Any]:
   shutil.rmtree(sc.host_dir(args), ignore_errors=True)
   opts = sc.options(args)
   opts = dataclasses.replace(
-    opts, persistent=dataclasses.replace(opts.persistent, shared_read=args["shared_read"])
+    opts,
+    persistent=dataclasses.replace(
+      opts.persistent,
+      shared_read=args["shared_read"],
+      shared_read_slices=args.get("shared_read_slices"),
+    ),
   )
   specs = args.get("specs", "small")
   with ec.CheckpointManager(opts, mesh=mesh) as mngr:

@@ -1,7 +1,8 @@
 """`emergency-ckpt bench`: run the benchmark (emergency_ckpt.bench.run) with a
 numbered progress line per job; with --scale, the scale benchmark
 (emergency_ckpt.bench.scale) instead; with --elastic, the restore onto fewer
-slices (emergency_ckpt.bench.elastic)."""
+slices (emergency_ckpt.bench.elastic); with --shared-read, the persistent read
+shared between slices (emergency_ckpt.bench.shared_read)."""
 
 from __future__ import annotations
 
@@ -106,6 +107,15 @@ def add_scale_arguments(parser) -> None:
     " ours against Orbax P2P; writes OUT/results.json and results.md (--reps: rounds, default"
     " 3; --mib-per-replica default 256; --quick: 1 MiB, 1 round)",
   )
+  parser.add_argument(
+    "--shared-read",
+    action="store_true",
+    help="run the shared-read benchmark instead (emergency_ckpt.bench.shared_read): 2 slices x 2"
+    " processes restore from a persistent tier on fake-gcs-server behind a byte-counting proxy,"
+    " per-process read against the slices splitting the read and one slice reading all,"
+    " interleaved; writes OUT/results.json and results.md (--reps: rounds, default 3;"
+    " --mib-per-replica default 64; --quick: 1 MiB, 1 round)",
+  )
 
 
 def scale_argv(a) -> list[str]:
@@ -152,11 +162,39 @@ def cmd_bench_elastic(a) -> int:
   return elastic.main(elastic_argv(a))
 
 
+def shared_read_argv(a) -> list[str]:
+  """`python -m emergency_ckpt.bench.shared_read` arguments for `emergency-ckpt bench
+  --shared-read`."""
+  argv = ["--out", a.out]
+  mib, reps = a.mib_per_replica, a.reps
+  if a.quick:
+    mib, reps = mib or 1, reps or 1
+  for flag, value in (
+    ("--mib-per-replica", mib),
+    ("--reps", reps),
+    ("--job-timeout", a.job_timeout),
+  ):
+    if value is not None:
+      argv += [flag, str(value)]
+  if a.keep:
+    argv.append("--keep")
+  return argv
+
+
+def cmd_bench_shared_read(a) -> int:
+  from emergency_ckpt.bench import shared_read  # noqa: PLC0415 - pulls in the GCS test server
+
+  os.makedirs(a.out, exist_ok=True)
+  return shared_read.main(shared_read_argv(a))
+
+
 def cmd_bench(a) -> int:
   if getattr(a, "scale", False):
     return cmd_bench_scale(a)
   if getattr(a, "elastic", False):
     return cmd_bench_elastic(a)
+  if getattr(a, "shared_read", False):
+    return cmd_bench_shared_read(a)
   run = _bench_module()
   argv = ["--out", a.out]
   if a.quick:

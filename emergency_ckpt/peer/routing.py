@@ -79,17 +79,22 @@ def plan_split(
   replica_axis_index: int,
   num_slices: int,
   my_slice: int,
+  readers: int | None = None,
 ) -> tuple[set[tuple[int, shards_lib.Index]], dict[int, list[tuple[int, shards_lib.ShardSlot]]]]:
   """A read split between the slices (every slice needs the same shards):
   (the (leaf number, index) slots this process reads, {sender process:
-  [(leaf number, slot)]} of the rest). The slots, in layout order, are cut
-  into num_slices contiguous runs of about equal bytes (the same cut on every
-  process at the same mesh coordinates): contiguous, because tensorstore
-  coalesces nearby reads of one data file, gaps included, so interleaved
-  slots cost almost the whole file (measured: 1.76x the model read instead
-  of 1x on 2 slices). A slot is
-  pulled from the process at the same coordinates in its reading slice.
+  [(leaf number, slot)]} of the rest). `readers` (1..num_slices, default
+  all): slices 0..readers-1 read from storage, the others only receive. The
+  slots, in layout order, are cut into `readers` contiguous runs of about
+  equal bytes (the same cut on every process at the same mesh coordinates):
+  contiguous, because tensorstore coalesces nearby reads of one data file,
+  gaps included, so interleaved slots cost almost the whole file (measured:
+  1.76x the model read instead of 1x on 2 slices). A slot is pulled from the
+  process at the same coordinates in its reading slice.
   Pure: devices need only `.id` and `.process_index`."""
+  readers = num_slices if readers is None else readers
+  if not 1 <= readers <= num_slices:
+    raise ValueError(f"readers must be 1..{num_slices} (the slice count), got {readers}")
   coords = {d.id: idx for idx, d in np.ndenumerate(mesh_devices)}
   total = sum(slot.nbytes for leaf in layout.leaves for slot in leaf.slots)
   done = 0
@@ -100,7 +105,7 @@ def plan_split(
       if not slot.nbytes:
         continue
       # contiguous runs, by the slot's middle byte
-      reader = min(num_slices - 1, (2 * done + slot.nbytes) * num_slices // (2 * total))
+      reader = min(readers - 1, (2 * done + slot.nbytes) * readers // (2 * total))
       done += slot.nbytes
       if reader == my_slice:
         mine.add((leaf_no, slot.index))
@@ -110,3 +115,29 @@ def plan_split(
       sender = int(mesh_devices[tuple(source)].process_index)
       pulls.setdefault(sender, []).append((leaf_no, slot))
   return mine, pulls
+
+
+# The measured rule's unit: every reader slice reads at least this much.
+# Measured (benchmarks/results/2026-11-25-shared-read/, one 2-core machine
+# where every slice shares the cores and one fake-gcs-server): at 4-16 MiB
+# one reader restored in 0.66-1.06x the per-process read's time and the
+# split in 0.96-1.43x (2 and 4 slices): each reader pays a fixed cost (Orbax
+# metadata, tensorstore opens). From 64 to 256 MiB the modes were within
+# each other's noise (one reader 0.59-1.16x, the split 0.66-0.92x). The
+# split's gain, R times the read bandwidth and each reader's egress cut
+# R-fold, needs slices on hosts of their own, which one machine cannot
+# show: the crossover is put above the sizes measured here, not measured.
+SHARED_READ_MIN_BYTES = 256 << 20
+
+
+def reader_slices(num_slices: int, model_bytes: int, configured: int | None = None) -> int:
+  """How many slices read a shared persistent restore from storage (the
+  others receive everything over the peer transport): `configured`
+  (persistent.shared_read_slices) capped at num_slices, else the measured
+  rule: min(S, model bytes // SHARED_READ_MIN_BYTES), at least 1 (one
+  slice reads models under 512 MiB; every slice reads one of S x 256 MiB
+  or more). Pure; the same on every process (the model's bytes, not this
+  process's)."""
+  if configured is not None:
+    return max(1, min(configured, num_slices))
+  return max(1, min(num_slices, model_bytes // SHARED_READ_MIN_BYTES))
