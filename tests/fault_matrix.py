@@ -233,7 +233,7 @@ SCENARIOS: list[Scenario] = [
   _s(
     "persistent.bit_flip_trial",
     "100 random single-bit flips in step 6's data files, one per restore (2 slices x 1"
-    " process, each reading half: the shared read)",
+    " process, the shared read: slice 0 reads every shard and serves slice 1)",
     "0 loaded: each restore returns step 6 bit-exactly or skips it for step 3, bit-exactly",
   ),
   _s(

@@ -280,8 +280,7 @@ def request(offer: dict, sender: int, step: int, shards: list, *, timeout_s: flo
   Raises PeerTransferError or OSError."""
   if "error" in offer:
     raise PeerTransferError(f"process {sender} cannot serve: {offer['error']}")
-  with socket.create_connection((offer["host"], offer["port"]), timeout=timeout_s) as sock:
-    sock.sendall(MAGIC + bytes.fromhex(offer["token"]))
+  with connect(offer, timeout_s=timeout_s) as sock:
     _send_json(sock, {"step": step, "shards": shards})
     reply = _recv_json(sock)
     if "error" in reply:
@@ -290,6 +289,14 @@ def request(offer: dict, sender: int, step: int, shards: list, *, timeout_s: flo
     if len(records) != len(shards):
       raise PeerTransferError(f"process {sender} answered {len(records)} of {len(shards)} shards")
     yield sock, records
+
+
+@contextlib.contextmanager
+def connect(offer: dict, *, timeout_s: float):
+  """A socket to a Listener (its `offer`) that presented the token. Raises OSError."""
+  with socket.create_connection((offer["host"], offer["port"]), timeout=timeout_s) as sock:
+    sock.sendall(MAGIC + bytes.fromhex(offer["token"]))
+    yield sock
 
 
 def send_file(
@@ -301,11 +308,7 @@ def send_file(
   timeout) whenever the send buffer is full; a bare os.sendfile loop on
   this socket (non-blocking under a Python timeout) raises EAGAIN there.
   Raises OSError."""
-  with (
-    open(path, "rb") as f,
-    socket.create_connection((offer["host"], offer["port"]), timeout=timeout_s) as sock,
-  ):
-    sock.sendall(MAGIC + bytes.fromhex(offer["token"]))
+  with open(path, "rb") as f, connect(offer, timeout_s=timeout_s) as sock:
     _send_json(sock, header)
     sent = sock.sendfile(f, offset, length)
     if sent != length:

@@ -310,8 +310,7 @@ def _fetch(offer: dict, holder: int, step: int, ranges: list, *, timeout_s: floa
   if "error" in offer:
     raise PeerTransferError(f"process {holder} cannot serve: {offer['error']}")
   out = []
-  with socket.create_connection((offer["host"], offer["port"]), timeout=timeout_s) as sock:
-    sock.sendall(stream.MAGIC + bytes.fromhex(offer["token"]))
+  with stream.connect(offer, timeout_s=timeout_s) as sock:
     stream._send_json(sock, {"step": step, "ranges": ranges})  # noqa: SLF001
     reply = stream._recv_json(sock)  # noqa: SLF001
     if "error" in reply:
