@@ -68,9 +68,6 @@ class Partner:
     got = collectives.exchange_some("partner_offer", self.receiver.offer(), wanted=wanted)
     self._offer = got.get(self.partner)
 
-  streams_snapshots = True
-  """send_snapshot: the step goes to the partner beside its local write."""
-
   @property
   def active(self) -> bool:
     """Whether this process's steps are protected (it has a partner)."""
@@ -84,35 +81,12 @@ class Partner:
     nbytes = partner_lib.send(self._offer, self.partner, step_dir, timeout_s=self._timeout_s)
     return nbytes, time.perf_counter() - t0
 
-  def send_snapshot(self, snapshot, process: int, manifest, sent) -> int:
-    """Streams a staged step (staging.HostSnapshot) to the partner while
-    the local write of the same bytes runs; `manifest()` blocks until that
-    write is done and gives its manifest (it raises if the write failed);
-    `sent()` is called once the bytes are out. Waits until the step is
-    durable at the partner; returns the bytes. Raises PeerTransferError or
-    OSError. Called by: the redundancy lane."""
-    lay = snapshot.layout
-    return partner_lib.send_bytes(
-      self._offer,
-      self.partner,
-      step=snapshot.step,
-      process=process,
-      data=snapshot.buffer[: lay.nbytes],
-      spans=[(slot.offset, slot.nbytes) for leaf in lay.leaves for slot in leaf.slots],
-      manifest=manifest,
-      sent=sent,
-      timeout_s=self._timeout_s,
-    )
-
   def close(self) -> None:
     self.receiver.close()
 
 
 class Xor:
   """This process's XOR group: its parity receiver, and where its chunks go."""
-
-  streams_snapshots = False
-  """Chunks go from the written file (send), after the local write."""
 
   def __init__(self, options, *, topology, collectives, process_dir: str, host_label: str):
     """Called by: every process (two collectives: an exchange within the

@@ -24,14 +24,13 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
-import os
 import time
 from collections.abc import Callable
 from typing import Any
 
 import jax
 
-from emergency_ckpt import checksums, failpoints, local_format, persistent_layout, policies
+from emergency_ckpt import checksums, failpoints, persistent_layout, policies
 from emergency_ckpt import shards as shards_lib
 from emergency_ckpt.background import Background
 from emergency_ckpt.errors import PeerTransferError
@@ -171,11 +170,10 @@ class SavePipeline:
       nbytes = 0
       if decision.local:
         nbytes = snapshot.layout.nbytes
-        streamed = self._stream_to_partner(snapshot, data_state, sums, decision.persistent)
         self._background.track(
           self._local.write_async(
             snapshot,
-            on_done=lambda r: self._after_local(r, data_state, sums, decision.persistent, streamed),
+            on_done=lambda r: self._after_local(r, data_state, sums, decision.persistent),
           )
         )
       else:
@@ -218,13 +216,10 @@ class SavePipeline:
     data_state: dict | None,
     sums: _Checksums | None,
     persistent: bool = False,
-    streamed: concurrent.futures.Future | None = None,
   ) -> None:
     self.durable(result.step, "local", result.nbytes, result.error)
     link = self._redundancy
-    if streamed is not None:  # the partner stream waits for this (it queues the state)
-      streamed.set_result(result)
-    elif result.ok and link is not None and link.active:
+    if result.ok and link is not None and link.active:
       # The partner's copy first, then the state file: the step commits
       # once its partner holds it.
       self._background.submit(
@@ -234,86 +229,6 @@ class SavePipeline:
       self._queue_state(result.step, data_state, sums, written=result.ok)
     if result.ok:
       self._retainer.after_local_write(result.step)
-
-  def _stream_to_partner(
-    self, snapshot, data_state: dict | None, sums: _Checksums | None, persistent: bool
-  ) -> concurrent.futures.Future | None:
-    """With a partner: starts streaming the staged step to it on the
-    redundancy lane, beside the local write of the same bytes (so the step
-    is protected about as soon as it is written, not a transfer later);
-    returns the future _after_local completes with the local write's
-    result, or None (no partner: _after_local goes on as usual)."""
-    link = self._redundancy
-    if link is None or not link.active or not link.streams_snapshots:
-      return None
-    local_done: concurrent.futures.Future = concurrent.futures.Future()
-    release = snapshot.hold()  # the stream reads the buffer beside the local write
-    self._background.submit(
-      "redundancy",
-      self._protect_streamed,
-      snapshot,
-      release,
-      local_done,
-      data_state,
-      sums,
-      persistent,
-    )
-    return local_done
-
-  def _protect_streamed(
-    self, snapshot, release, local_done, data_state, sums, persistent: bool
-  ) -> None:
-    """On the redundancy lane: streams the staged step to the partner, then
-    its manifest once the local write is done; then, as _protect, queues
-    the state file (or not: see _unprotected)."""
-    step = snapshot.step
-    released = []
-
-    def sent() -> None:
-      if not released:
-        released.append(True)
-        release()
-
-    def manifest() -> bytes:
-      result = local_done.result()
-      if not result.ok:
-        raise OSError(f"the local write failed: {result.error}")
-      with open(os.path.join(self._local.step_dir(step), local_format.MANIFEST), "rb") as f:
-        return f.read()
-
-    try:
-      nbytes = self._redundancy.send_snapshot(
-        snapshot, self._topology.process_index, manifest, sent
-      )
-    except (OSError, PeerTransferError) as e:
-      if not local_done.result().ok:  # nothing to protect: as without redundancy
-        self._queue_state(step, data_state, sums, written=False)
-        return
-      if not self._unprotected(step, e, sums, persistent):
-        return
-    else:
-      self.durable(step, self._options.local.redundancy, nbytes)
-    finally:
-      sent()
-    self._queue_state(step, data_state, sums, written=True)
-
-  def _unprotected(self, step: int, e: Exception, sums, persistent: bool) -> bool:
-    """Records that `step`'s redundancy copy was not stored; whether it
-    commits anyway (a persistent step, or redundancy_required=False)."""
-    self.durable(step, self._options.local.redundancy, None, f"{type(e).__name__}: {e}")
-    if self._options.local.redundancy_required and not persistent:
-      logger.error(
-        "%s step %d will not commit: its %s copy was not stored (%s);"
-        " local.redundancy_required=False lets steps commit without it",
-        self._topology.log_prefix(),
-        step,
-        self._options.local.redundancy,
-        e,
-      )
-      if sums is not None:
-        sums.let_go()
-      return False
-    return True
 
   def _protect(
     self, step: int, data_state: dict | None, sums: _Checksums | None, persistent: bool
@@ -326,7 +241,18 @@ class SavePipeline:
     try:
       nbytes, _ = self._redundancy.send(self._local.step_dir(step))
     except (OSError, PeerTransferError) as e:
-      if not self._unprotected(step, e, sums, persistent):
+      self.durable(step, self._options.local.redundancy, None, f"{type(e).__name__}: {e}")
+      if self._options.local.redundancy_required and not persistent:
+        logger.error(
+          "%s step %d will not commit: its %s copy was not stored (%s);"
+          " local.redundancy_required=False lets steps commit without it",
+          self._topology.log_prefix(),
+          step,
+          self._options.local.redundancy,
+          e,
+        )
+        if sums is not None:
+          sums.let_go()
         return
     else:
       self.durable(step, self._options.local.redundancy, nbytes)
