@@ -89,8 +89,9 @@ class CheckpointManager:
       job=job_key(),
       preparer=self._background.lane("prepare", low_priority=True),
     )
-    # Orbax loads in the background, started at the end of construction:
-    # a restart's path to restored state never waits for it.
+    # Orbax loads in the background (OrbaxLoader), started once the restore
+    # path is behind: at the end of restore(), when all_steps() finds
+    # nothing to restore, or by the first save (which then waits for it).
     self._orbax = OrbaxLoader(self._background, topo.log_prefix())
     self._local = LocalTier(
       options.local,
@@ -163,9 +164,6 @@ class CheckpointManager:
     )
     self._last_step: int | None = None
     self._closed = False
-    # Every process, now that all are up: Orbax's set-up barrier must not
-    # wait for a process lost later (a slice dying mid-save).
-    self._orbax.start()
     if topo.is_primary_process:
       persistent_layout.write_run_info(
         root,
@@ -312,7 +310,10 @@ class CheckpointManager:
     """Restorable steps by markers, oldest first. Called by: every process
     (one exchange); every process gets the same answer."""
     self._check_open()
-    return self._inventory.restorable_steps("all_steps")
+    steps = self._inventory.restorable_steps("all_steps")
+    if not steps:  # a fresh start: no restore comes, saves will (every process agrees)
+      self._orbax.start()
+    return steps
 
   def latest_step(self) -> int | None:
     """The newest restorable step, agreed by all processes. Called by: every
@@ -357,7 +358,10 @@ class CheckpointManager:
         " result.data_state."
       )
     self._wait_saves()
-    out = self._restorer.restore(abstract_state, self._inventory.exchange("restore"), step, t0)
+    try:
+      out = self._restorer.restore(abstract_state, self._inventory.exchange("restore"), step, t0)
+    finally:  # every process, all up: Orbax's set-up barrier starts off the restore path
+      self._orbax.start()
     self._last_step = out.step
     saved = decode_data_state(out.data_state)
     if data_state_remap is not None:

@@ -224,6 +224,11 @@ def manager_figures(
       "steps": sorted({p["step"] for job in restarts for p in job}),
       "bit_exact": all(p["mismatched_shards"] == 0 for job in restarts for p in job),
     }
+    parts = [p["after_ready"] for job in restarts for p in job if "after_ready" in p]
+    if parts:  # where the time after jax.distributed's set-up goes (median over processes)
+      extras["restart"]["after_ready_parts_median"] = {
+        k: _median([x[k] for x in parts]) for k in parts[0]
+      }
   else:
     figs["start_to_restored_s"] = {
       "value": None,

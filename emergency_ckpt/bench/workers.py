@@ -336,12 +336,16 @@ def manager_restart(args: dict) -> dict:
   intact 2x2 ramdisk copies, to restored, ready arrays."""
   ready_s = time.time() - _spawn_time()
   name = args["manager"]
+  t0 = time.perf_counter()
   layout = st.make_layout("2x2", args["mib"])
   host, _, persistent = _paths(args, name, layout.name)
   progress(f"{name}: restart job restoring")
+  t1 = time.perf_counter()
   adapter = adapters.make(name, layout, host, persistent)
+  t2 = time.perf_counter()
   restored, step, source = adapter.restore()
   jax.block_until_ready(restored)
+  t3 = time.perf_counter()
   restored_s = time.time() - _spawn_time()
   adapter.close()
   return _finish(
@@ -350,6 +354,7 @@ def manager_restart(args: dict) -> dict:
       "slice": layout.slice_index,
       "ready_s": ready_s,
       "restored_s": restored_s,
+      "after_ready": {"layout_s": t1 - t0, "construct_s": t2 - t1, "restore_s": t3 - t2},
       "step": int(step),
       "source": source,
       "mismatched_shards": st.mismatched_shards(restored, layout),
