@@ -160,6 +160,7 @@ class CheckpointManager:
       collectives=self._collectives,
       staging=self._staging,
       events=self._events,
+      orbax_start=self._orbax.start,
       **tiers,
     )
     self._last_step: int | None = None

@@ -74,9 +74,24 @@ class Restorer:
   """Restores a step on this process, in agreement with every other."""
 
   def __init__(
-    self, options, *, topology, mesh, collectives, local, persistent, state, staging, events
+    self,
+    options,
+    *,
+    topology,
+    mesh,
+    collectives,
+    local,
+    persistent,
+    state,
+    staging,
+    events,
+    orbax_start=lambda: None,
   ):
+    """`orbax_start`: starts Orbax's load (OrbaxLoader.start), whose set-up
+    is a barrier of every process: every process calls it before a plan
+    that reads the persistent tier, whether or not it reads itself."""
     self._options = options
+    self._orbax_start = orbax_start
     self._staging = staging
     self._events = events
     self._topology = topology
@@ -415,6 +430,9 @@ class Restorer:
     any other failure raises on every process."""
     if restore_plan.PERSISTENT not in plan.sources:
       return self._execute(plan, *run)
+    # Every process alike (the same plan): a slice that reads nothing itself
+    # (the shared read's receivers) must still join Orbax's set-up barrier.
+    self._orbax_start()
     state, failure, raised = None, None, None
     try:
       state = self._execute(plan, *run)
