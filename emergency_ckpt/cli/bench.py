@@ -137,8 +137,10 @@ def cmd_bench_scale(a) -> int:
   return scale.main(scale_argv(a))
 
 
-def elastic_argv(a) -> list[str]:
-  """`python -m emergency_ckpt.bench.elastic` arguments for `emergency-ckpt bench --elastic`."""
+def job_bench_argv(a) -> list[str]:
+  """The arguments of a one-job benchmark driver (`python -m
+  emergency_ckpt.bench.elastic` or `.shared_read`) for `emergency-ckpt bench
+  --elastic` / `--shared-read`: --quick means 1 MiB, 1 rep."""
   argv = ["--out", a.out]
   mib, reps = a.mib_per_replica, a.reps
   if a.quick:
@@ -153,6 +155,9 @@ def elastic_argv(a) -> list[str]:
   if a.keep:
     argv.append("--keep")
   return argv
+
+
+elastic_argv = shared_read_argv = job_bench_argv
 
 
 def cmd_bench_elastic(a) -> int:
@@ -160,25 +165,6 @@ def cmd_bench_elastic(a) -> int:
 
   os.makedirs(a.out, exist_ok=True)
   return elastic.main(elastic_argv(a))
-
-
-def shared_read_argv(a) -> list[str]:
-  """`python -m emergency_ckpt.bench.shared_read` arguments for `emergency-ckpt bench
-  --shared-read`."""
-  argv = ["--out", a.out]
-  mib, reps = a.mib_per_replica, a.reps
-  if a.quick:
-    mib, reps = mib or 1, reps or 1
-  for flag, value in (
-    ("--mib-per-replica", mib),
-    ("--reps", reps),
-    ("--job-timeout", a.job_timeout),
-  ):
-    if value is not None:
-      argv += [flag, str(value)]
-  if a.keep:
-    argv.append("--keep")
-  return argv
 
 
 def cmd_bench_shared_read(a) -> int:
