@@ -47,7 +47,6 @@ import datetime
 import json
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -306,15 +305,6 @@ class Driver:
     return self.job(f"{row}-{rep}", "restart_job", processes, devices, job_args)
 
 
-def _spread(xs: list[float]) -> dict:
-  return {
-    "median": statistics.median(xs) if xs else None,
-    "min": min(xs) if xs else None,
-    "max": max(xs) if xs else None,
-    "samples": xs,
-  }
-
-
 METRICS = {
   "spawn_to_restored_s": "process spawn to restored state",
   "restore_s": "manager construction + restore() to ready arrays",
@@ -330,7 +320,7 @@ def row_figures(jobs: list[tuple[int, list[dict]]], expected_step: int) -> dict:
   out: dict = {"reps": [rep for rep, _ in jobs]}
   for key in METRICS:
     src = "restored_s" if key == "spawn_to_restored_s" else key
-    out[key] = _spread([max(p[src] for p in job) for _, job in jobs])
+    out[key] = measure.spread([max(p[src] for p in job) for _, job in jobs])
   out["steps"] = sorted({p["step"] for _, job in jobs for p in job})
   out["sources"] = [sorted(p["source"] for p in job) for _, job in jobs]
   out["mismatched_shards"] = sum(p["mismatched_shards"] for _, job in jobs for p in job)
@@ -356,7 +346,7 @@ def ratios(rows: dict, per_rep: dict[str, dict[int, list[dict]]]) -> dict:
         for r in sorted(mine)
         if r in base
       ]
-      out[row][key] = _spread(xs)
+      out[row][key] = measure.spread(xs)
   return out
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import resource
 import shutil
+import statistics
 import threading
 import time
 from collections.abc import Sequence
@@ -159,3 +160,13 @@ def precompile() -> bool:
   import emergency_ckpt  # noqa: PLC0415
 
   return bool(compileall.compile_dir(os.path.dirname(emergency_ckpt.__file__), quiet=1))
+
+
+def spread(xs: list[float]) -> dict:
+  """Median, min, max and the samples of a benchmark figure (None if empty)."""
+  return {
+    "median": statistics.median(xs) if xs else None,
+    "min": min(xs) if xs else None,
+    "max": max(xs) if xs else None,
+    "samples": xs,
+  }

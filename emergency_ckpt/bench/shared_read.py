@@ -42,10 +42,11 @@ import json
 import logging
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
+
+from emergency_ckpt.bench import measure
 
 WORKER = "emergency_ckpt.bench.shared_read"
 STEP = 1000
@@ -194,15 +195,6 @@ def _load() -> str:
     return "unknown"
 
 
-def _spread(xs: list[float]) -> dict:
-  return {
-    "median": statistics.median(xs) if xs else None,
-    "min": min(xs) if xs else None,
-    "max": max(xs) if xs else None,
-    "samples": xs,
-  }
-
-
 def summarize(jobs: list[dict], model_bytes: int, modes: list[str]) -> dict:
   """Per mode: restore time (slowest process per round), bytes from the
   bucket and their ratio to the model, the per-round ratios to per_process,
@@ -222,10 +214,10 @@ def summarize(jobs: list[dict], model_bytes: int, modes: list[str]) -> dict:
     base_t = [max(s["restore_s"] for s in by[(r, PER_PROCESS)]) for r in rounds]
     samples = [s for r in rounds for s in by[(r, mode)]]
     out[mode] = {
-      "restore_s": _spread(times),
-      "bytes_down": _spread(nbytes),
-      "bytes_vs_model": _spread([b / model_bytes for b in nbytes]),
-      "time_vs_per_process": _spread([t / b for t, b in zip(times, base_t)]),
+      "restore_s": measure.spread(times),
+      "bytes_down": measure.spread(nbytes),
+      "bytes_vs_model": measure.spread([b / model_bytes for b in nbytes]),
+      "time_vs_per_process": measure.spread([t / b for t, b in zip(times, base_t)]),
       "bit_exact": all(s["mismatched_shards"] == 0 for s in samples),
       "shards_checked": sum(s["shards_checked"] for s in samples),
       "sources": sorted({s["source"] for s in samples}),

@@ -6,11 +6,13 @@ After a local write, the writer's process streams the step's two files
 socket) to its partner, which writes them under its own folder:
   <process dir of the partner>/partner/process_<sender>/step_<N>/
 (a `.tmp-step_<N>-<hex>` folder renamed into place once both files are
-fsync'ed and every shard matched its CRC32C), keeps the newest `keep` steps per sender, and answers. The
-local tier lists those folders as copies of the sender's step
-(local_tier.copies), so a restore that lost the sender's host rebuilds it
-from there (reshard_stream.py, `r.source == "partner"`); every shard is
-checked against the CRC32C its writer recorded when it is read.
+fsync'ed and every shard matched its CRC32C, summed as the bytes arrived),
+keeps the newest `keep` steps per sender (the retired one's folder kept as
+the spare the next step is written over), and answers. The local tier
+lists those folders as copies of the sender's step (local_tier.copies), so
+a restore that lost the sender's host rebuilds it from there
+(reshard_stream.py, `r.source == "partner"`); every shard is checked
+against the CRC32C its writer recorded where it is received or used.
 
 Who partners whom: `choose_partner` (pure): the next process of the slice,
 in slice order, that runs on another machine.
@@ -90,35 +92,40 @@ class Receiver(stream.Listener):
     self._start(host, ports)
 
   def _handle(self, conn: socket.socket) -> None:
-    """One sender's step: header (the shards' byte ranges), bytes, then its
-    manifest; answers once the step is durable here."""
+    """One sender's step: header (with its manifest), bytes; answers once
+    the step is durable here."""
     try:
       header = stream._recv_json(conn)  # noqa: SLF001
-      step, sender, nbytes = int(header["step"]), int(header["process"]), int(header["nbytes"])
-      spans = [(int(o), int(n)) for o, n in header["spans"]]
-      if nbytes < 0 or any(o < 0 or n < 0 or o + n > nbytes for o, n in spans):
-        raise ValueError(f"byte ranges outside the step's {nbytes} bytes")
-      self._store(conn, step, sender, nbytes, spans)
+      step, sender = int(header["step"]), int(header["process"])
+      raw = bytes.fromhex(header["manifest"])
+      body = local_format.decode_manifest(raw, "partner header")
+      if (body.get("step"), body.get("process_index"), body.get("nbytes")) != (
+        step,
+        sender,
+        int(header["nbytes"]),
+      ):
+        raise ValueError(f"the header names step {step} of process {sender}, its manifest another")
+      self._store(conn, step, sender, body, raw)
       stream._send_json(conn, {"ok": True})  # noqa: SLF001
     except Exception as e:  # noqa: BLE001 - the sender sees no "ok" and reports it
       logger.warning("%s partner: a step was not stored: %s", self._prefix, e)
       with contextlib.suppress(OSError):
         stream._send_json(conn, {"error": str(e)})  # noqa: SLF001
 
-  def _store(self, conn, step: int, sender: int, nbytes: int, spans) -> None:
-    """Writes the step into a temporary folder as its bytes arrive (the
-    sender streams them while its own local write runs), sums each shard's
-    CRC32C on the way (still in cache: no second pass over the file), then
-    checks them against the manifest that follows and renames the folder
-    into place."""
+  def _store(self, conn, step: int, sender: int, body: dict, manifest: bytes) -> None:
+    """Writes the step into a temporary folder as its bytes arrive, summing
+    each shard's CRC32C on the way (still in cache: no second pass over the
+    file), checks them against the manifest and renames the folder into
+    place."""
     if failpoints.armed("partner.refuse", step):
       raise OSError("failpoint partner.refuse")  # a test: the partner cannot store it
+    nbytes = int(body["nbytes"])
     folder = partner_dir(self._dir, sender)
     os.makedirs(folder, mode=0o700, exist_ok=True)
     tmp = os.path.join(folder, layout.tmp_step_dir_name(step))
     os.mkdir(tmp, 0o700)
     try:
-      checks = local_format.StreamChecksums(spans)
+      checks = local_format.StreamChecksums(body, tmp)
       path = os.path.join(tmp, local_format.SHARDS)
       reused = _take_spare(folder, nbytes, path, self._mapped)
       with open(path, "r+b" if reused else "wb") as f:
@@ -128,20 +135,9 @@ class Receiver(stream.Listener):
           _receive(conn, f, nbytes, checks)
         f.flush()
         os.fsync(f.fileno())
-      trailer = stream._recv_json(conn)  # noqa: SLF001
-      if "error" in trailer:
-        raise OSError(f"the sender's local write failed: {trailer['error']}")
-      raw = bytes.fromhex(trailer["manifest"])
-      body = local_format.decode_manifest(raw, tmp)
-      if (body.get("step"), body.get("process_index"), body.get("nbytes")) != (
-        step,
-        sender,
-        nbytes,
-      ):
-        raise ValueError(f"the manifest is not that of step {step} of process {sender}")
-      checks.check(body, tmp)  # never keep a torn or damaged copy
+      checks.check()  # never keep a torn or damaged copy
       with open(os.path.join(tmp, local_format.MANIFEST), "wb") as f:
-        f.write(raw)
+        f.write(manifest)
         f.flush()
         os.fsync(f.fileno())
       layout.replace_step(tmp, layout.local_step_dir(folder, step))
@@ -234,58 +230,21 @@ def _receive(conn: socket.socket, f, nbytes: int, checks: local_format.StreamChe
 def send(offer: dict, partner: int, step_dir: str, *, timeout_s: float) -> int:
   """Sends the local step in `step_dir` to `partner` (its `offer`) and waits
   until it is durable there; returns the bytes sent. Raises
-  PeerTransferError or OSError."""
+  PeerTransferError or OSError. Called by: the redundancy lane."""
+  if "error" in offer:
+    raise PeerTransferError(f"partner process {partner} cannot receive: {offer['error']}")
   with open(os.path.join(step_dir, local_format.MANIFEST), "rb") as f:
     raw = f.read()
   body = local_format.decode_manifest(raw, step_dir)
-  data = local_format.map_file(
-    os.path.join(step_dir, local_format.SHARDS), body["nbytes"], step_dir
-  )
-  return send_bytes(
-    offer,
-    partner,
-    step=body["step"],
-    process=body["process_index"],
-    data=data,
-    spans=local_format.StreamChecksums.spans_of(body),
-    manifest=lambda: raw,
-    timeout_s=timeout_s,
-  )
-
-
-def send_bytes(
-  offer: dict,
-  partner: int,
-  *,
-  step: int,
-  process: int,
-  data,
-  spans,
-  manifest: Callable[[], bytes],
-  sent: Callable[[], None] = lambda: None,
-  timeout_s: float,
-) -> int:
-  """Streams a step's shards.bin bytes `data` (its shards at `spans`) to
-  `partner`, calls `sent()`, then sends `manifest()` (which may block: the
-  sender's own local write produces it; if it raises, the partner drops
-  the step) and waits until the step is durable there. Returns the bytes
-  sent. Raises PeerTransferError or OSError. Called by: the redundancy lane."""
-  if "error" in offer:
-    raise PeerTransferError(f"partner process {partner} cannot receive: {offer['error']}")
-  nbytes = len(data)
-  header = {"step": step, "process": process, "nbytes": nbytes, "spans": [list(s) for s in spans]}
-  with stream.connect(offer, timeout_s=timeout_s) as sock:
-    stream._send_json(sock, header)  # noqa: SLF001
-    sock.sendall(memoryview(data).cast("B"))
-    sent()
-    try:
-      raw = manifest()
-    except BaseException as e:
-      with contextlib.suppress(OSError):
-        stream._send_json(sock, {"error": f"{type(e).__name__}: {e}"})  # noqa: SLF001
-      raise
-    stream._send_json(sock, {"manifest": raw.hex()})  # noqa: SLF001
-    reply = stream._recv_json(sock)  # noqa: SLF001
+  path = os.path.join(step_dir, local_format.SHARDS)
+  nbytes = os.path.getsize(path)
+  header = {
+    "step": body["step"],
+    "process": body["process_index"],
+    "nbytes": nbytes,
+    "manifest": raw.hex(),
+  }
+  reply = stream.send_file(offer, header, path, 0, nbytes, timeout_s=timeout_s)
   if not reply.get("ok"):
-    raise PeerTransferError(f"partner process {partner} did not store step {step}: {reply}")
+    raise PeerTransferError(f"partner process {partner} did not store step {body['step']}: {reply}")
   return nbytes

@@ -183,12 +183,12 @@ def transfer(
       try:
         buffer = aligned_empty(layout.nbytes)  # pages are touched only where written
         whole: dict[tuple[int, tuple], np.ndarray] = {}  # new shards that are a saved one here
-        checked: set = set()  # (saved process, path, index) of unverified shards checked
+        unchecked = _records(copies, paths, unverified)
         for p in pieces:
           if p.local:
             src = copies[p.saved_process].arrays[p.leaf][p.index]
             if p.saved_process in unverified:
-              _check(copies[p.saved_process], paths[p.leaf], p.index, src, checked)
+              _check(unchecked, (p.saved_process, p.leaf, p.index), paths, src)
             if p.box == p.index == p.slot.index:  # the copy's own array: nothing copied
               whole[(p.leaf, p.slot.index)] = src
             else:
@@ -340,19 +340,32 @@ def _rebuild(
   return out, error
 
 
-def _check(copy: LocalStep, path: str, index, arr: np.ndarray, checked: set) -> None:
-  """Checks a shard of a copy not yet verified (once) against its manifest
-  record; raises CorruptCheckpointError."""
-  key = (copy.manifest.get("process_index"), path, index)
-  if key in checked:
+def _records(copies: Mapping[int, LocalStep], paths: Sequence[str], unverified) -> dict:
+  """{(saved process, leaf number, index): manifest record} of every shard
+  of the copies not verified yet."""
+  leaf_no = {path: n for n, path in enumerate(paths)}
+  return {
+    (sp, leaf_no[leaf["path"]], tuple(tuple(r) for r in s["index"])): s
+    for sp in unverified
+    if sp in copies
+    for leaf in copies[sp].manifest["leaves"]
+    if leaf["path"] in leaf_no
+    for s in leaf["shards"]
+  }
+
+
+def _check(unchecked: dict, key: tuple, paths: Sequence[str], arr: np.ndarray) -> None:
+  """Checks a shard of a copy not verified yet (`key` in `unchecked`, which
+  it leaves once checked) against its manifest record; raises
+  CorruptCheckpointError."""
+  record = unchecked.pop(key, None)
+  if record is None:  # checked already
     return
-  leaf = next(leaf for leaf in copy.manifest["leaves"] if leaf["path"] == path)
-  record = next(s for s in leaf["shards"] if tuple(tuple(r) for r in s["index"]) == index)
   if not checksum_ok(arr.reshape(-1).view(np.uint8), record):
+    sp, leaf, index = key
     raise CorruptCheckpointError(
-      f"leaf {path} shard {index} of saved process {key[0]}'s copy fails its checksum"
+      f"leaf {paths[leaf]} shard {index} of saved process {sp}'s copy fails its checksum"
     )
-  checked.add(key)
 
 
 def _dest(buffer: np.ndarray, layout: shards_lib.Layout, p: reshard.Piece) -> np.ndarray:
