@@ -472,6 +472,7 @@ class LocalTier:
     fits) and renames it into place. Raises OSError (the folder is gone)."""
     final = self.step_dir(staged.step)
     failpoints.hit("local.before_write", staged.step)
+    staged.wait_filled()
     staged.wait_others_staged()
     if os.path.lexists(final):  # a leftover of an earlier incarnation: Orbax
       self.delete(staged.step, recycle=True)  # never overwrites; its file may serve

@@ -93,6 +93,17 @@ class LocalTierOptions:
   that arrives while the previous local write is still running waits for
   it; 2 lets them overlap, for one more buffer and spare."""
 
+  device_snapshot: bool = False
+  """On accelerators: save() copies this process's shards on the device
+  (an asynchronous device-to-device copy, dispatched in microseconds per
+  device) and returns; the device-to-host copy into the staging buffer then
+  runs in the background, beside the next training steps. Costs one more
+  copy of the process's shards in device memory from save() until that
+  copy ends (a save that cannot allocate it stages on the host instead, with
+  a warning). False: save() blocks on the device-to-host copy (the default:
+  no extra device memory). On CPU devices it only moves the host memcpy out
+  of save() (the stall then is a copy in device memory instead)."""
+
   redundancy: str = "none"
   """Copies of each process's local step in another host's ramdisk of the
   same slice, so a lost host's shards survive without a peer slice:
@@ -133,6 +144,10 @@ class LocalTierOptions:
     _optional_positive_int(self.keep_period, "local.keep_period")
     _optional_positive_int(self.keep_best, "local.keep_best")
     _positive_int(self.staging_buffers, "local.staging_buffers")
+    _require(
+      isinstance(self.device_snapshot, bool),
+      f"local.device_snapshot must be true or false, got {self.device_snapshot!r}.",
+    )
     _require(
       self.redundancy in REDUNDANCY,
       f"local.redundancy={self.redundancy!r} is not one of {', '.join(REDUNDANCY)}.",

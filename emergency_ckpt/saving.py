@@ -71,6 +71,7 @@ class _Checksums:
           got = None
         if got is not None:
           return got
+      self.snapshot.wait_filled()
       return checksums.snapshot_crcs(self.snapshot.layout, self.snapshot.buffer)
     finally:
       self.let_go()
@@ -183,6 +184,7 @@ class SavePipeline:
       if snapshot_upload:
 
         def snapshot_tree() -> Any:  # on the upload thread
+          snapshot.wait_filled()
           snapshot.wait_others_staged()
           return jax.tree_util.tree_unflatten(treedef, snapshot.arrays(abstract))
 

@@ -141,22 +141,58 @@ def view(buffer: np.ndarray, leaf: LeafLayout, slot: ShardSlot) -> np.ndarray:
   return raw.view(leaf.dtype).reshape(shard_shape(slot.index))
 
 
+def _slot_shards(arrays: Sequence[jax.Array], layout: Layout) -> list[list[jax.Array]]:
+  """Per leaf, the single-device array of each slot (this process's unique shards)."""
+  out = []
+  for arr, leaf in zip(arrays, layout.leaves):
+    by_device = {s.device: s for s in arr.addressable_shards}
+    out.append([by_device[slot.devices[0]].data for slot in leaf.slots])
+  return out
+
+
 def stage(arrays: Sequence[jax.Array], layout: Layout, buffer: np.ndarray) -> None:
   """Copies this process's unique shards into `buffer`. Blocks on the copy.
 
   Device-to-host transfers are all started before the first one is awaited.
   """
-  shard_maps = []
-  for arr, leaf in zip(arrays, layout.leaves):
-    by_device = {s.device: s for s in arr.addressable_shards}
-    shards = [by_device[slot.devices[0]] for slot in leaf.slots]
-    for s in shards:
-      if s.device.platform != "cpu":
-        s.data.copy_to_host_async()
-    shard_maps.append(shards)
-  for shards, leaf in zip(shard_maps, layout.leaves):
-    for s, slot in zip(shards, leaf.slots):
-      np.copyto(view(buffer, leaf, slot), np.asarray(s.data), casting="no")
+  fill(_slot_shards(arrays, layout), layout, buffer)
+
+
+@functools.lru_cache(maxsize=64)
+def _copier(n: int):
+  """One jitted program copying n arrays of one device (a copy, not a
+  forwarded input: copy_p's result is a new buffer)."""
+  return jax.jit(lambda xs: [jnp.array(x, copy=True) for x in xs])
+
+
+def device_copies(arrays: Sequence[jax.Array], layout: Layout) -> list[list[jax.Array]]:
+  """A device-side copy of this process's unique shards, laid out as
+  _slot_shards (one dispatched program per device). Blocks on the dispatch
+  only; raises what the dispatch raises (e.g. out of device memory)."""
+  shards = _slot_shards(arrays, layout)
+  by_device: dict[Any, list[tuple[int, int]]] = {}
+  for i, per_leaf in enumerate(shards):
+    for j, x in enumerate(per_leaf):
+      by_device.setdefault(x.device, []).append((i, j))
+  out = [list(per_leaf) for per_leaf in shards]
+  for places in by_device.values():
+    copies = _copier(len(places))([shards[i][j] for i, j in places])
+    for (i, j), c in zip(places, copies):
+      out[i][j] = c
+  return out
+
+
+def fill(shards: list[list[jax.Array]], layout: Layout, buffer: np.ndarray) -> None:
+  """Copies `shards` (laid out as _slot_shards) into `buffer`, all
+  device-to-host transfers started before the first is awaited. Blocks on
+  the copies."""
+  for per_leaf in shards:
+    for x in per_leaf:
+      if x.device.platform != "cpu":
+        x.copy_to_host_async()
+  for per_leaf, leaf in zip(shards, layout.leaves):
+    for x, slot in zip(per_leaf, leaf.slots):
+      np.copyto(view(buffer, leaf, slot), np.asarray(x), casting="no")
 
 
 def assemble(abstract, arrays_by_index: dict[Index, np.ndarray]) -> jax.Array:

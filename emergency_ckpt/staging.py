@@ -174,6 +174,20 @@ class HostSnapshot:
   stall_s: float
   """Seconds the copy took (the save's stall)."""
   _area: StagingArea = dataclasses.field(repr=False)
+  filled: concurrent.futures.Future | None = dataclasses.field(default=None, repr=False)
+  """Device snapshots: the background device-to-host copy into `buffer`
+  (None: the buffer was filled inside save())."""
+
+  def wait_filled(self) -> None:
+    """Blocks until `buffer` holds the step's bytes. Raises OSError if the
+    background device-to-host copy failed. Called by: every reader of the
+    buffer, before reading it."""
+    if self.filled is None:
+      return
+    try:
+      self.filled.result()
+    except Exception as e:  # noqa: BLE001 - one typed failure for the writers
+      raise OSError(f"the device-to-host copy of step {self.step} failed: {e!r}") from e
 
   def hold(self) -> Callable[[], None]:
     """Keeps the buffer from reuse until the returned function is called, once."""
@@ -206,13 +220,23 @@ class StagingArea:
   """This process's staging buffers and its part in the machine-wide
   staging window. Per process: no collectives."""
 
-  def __init__(self, *, buffers: int, job: str | None, preparer: concurrent.futures.Executor):
+  def __init__(
+    self,
+    *,
+    buffers: int,
+    job: str | None,
+    preparer: concurrent.futures.Executor,
+    filler: concurrent.futures.Executor | None = None,
+  ):
     """`buffers`: how many local writes may hold a buffer at once.
     `job`: the job's key for the staging window (None: no coordination).
-    `preparer`: a low-priority serial executor for prepare()."""
+    `preparer`: a low-priority serial executor for prepare().
+    `filler`: a serial executor for device snapshots' device-to-host
+    copies (None: save() copies to the host itself)."""
     self._pool = BufferPool(buffers)
     self._window = StagingWindow(job)
     self._preparer = preparer
+    self._filler = filler
     self._closed = False
 
   def reserve(self, paths: Sequence[str], arrays: Sequence[Any]) -> tuple:
@@ -225,15 +249,37 @@ class StagingArea:
     self, step: int, paths: Sequence[str], arrays: Sequence[Any], reserved: tuple | None = None
   ) -> HostSnapshot:
     """Copies this process's shards into `reserved` (from reserve(), or a
-    buffer taken here). Blocks on that copy only."""
+    buffer taken here). Blocks on that copy only; with a filler (device
+    snapshots), on the device-side copy only, and the buffer is filled in
+    the background (HostSnapshot.wait_filled)."""
     t0 = time.perf_counter()
     layout, buffer = reserved if reserved is not None else self.reserve(paths, arrays)
     try:
-      shards_lib.stage(arrays, layout, buffer)
+      copies = self._device_copies(step, arrays, layout)
+      if copies is None:
+        shards_lib.stage(arrays, layout, buffer)
+        return HostSnapshot(step, layout, buffer, time.perf_counter() - t0, self)
+      filled = self._filler.submit(shards_lib.fill, copies, layout, buffer)
+      del copies  # the filler's reference is the last: freed as it ends
     except BaseException:
       self._pool.release(buffer)
       raise
-    return HostSnapshot(step, layout, buffer, time.perf_counter() - t0, self)
+    return HostSnapshot(step, layout, buffer, time.perf_counter() - t0, self, filled)
+
+  def _device_copies(self, step: int, arrays: Sequence[Any], layout) -> list | None:
+    """The device-side copies for a device snapshot, or None to stage on the
+    host (no filler, or the device could not hold the copy)."""
+    if self._filler is None:
+      return None
+    try:
+      return shards_lib.device_copies(arrays, layout)
+    except Exception as e:  # noqa: BLE001 - e.g. out of device memory: stage on the host
+      logger.warning(
+        "step %d: no device memory for a device snapshot (%s); copying to the host in save()",
+        step,
+        e,
+      )
+      return None
 
   def staging(self) -> contextlib.AbstractContextManager:
     """A context in which this process counts as staging: co-located
