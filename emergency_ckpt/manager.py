@@ -88,7 +88,8 @@ class CheckpointManager:
       buffers=options.local.staging_buffers,
       job=job_key(),
       preparer=self._background.lane("prepare", low_priority=True),
-      filler=self._background.lane("d2h") if options.local.device_snapshot else None,
+      filler=self._background.lane("d2h"),
+      device_snapshot=options.local.device_snapshot,
     )
     # Orbax loads in the background (OrbaxLoader), started once the restore
     # path is behind: at the end of restore(), when all_steps() finds

@@ -1,7 +1,9 @@
 """Host snapshots: save()'s copy of this process's shards into reused buffers.
 
 A save copies this process's unique shards into a host buffer (the only
-stall: a memcpy on CPU, the device-to-host copy elsewhere); the local tier
+stall: a memcpy on CPU; from accelerators the DMA into page-locked host
+memory, the copy into the buffer then running in the background, or with
+local.device_snapshot a device-side copy only); the local tier
 then writes the buffer to the ramdisk and, on CPU, the persistent upload
 reads arrays that alias it. The buffers are reused and kept faulted in
 between saves (like DCP's cached staging buffers): a copy into fresh memory
@@ -227,16 +229,20 @@ class StagingArea:
     job: str | None,
     preparer: concurrent.futures.Executor,
     filler: concurrent.futures.Executor | None = None,
+    device_snapshot: bool = False,
   ):
     """`buffers`: how many local writes may hold a buffer at once.
     `job`: the job's key for the staging window (None: no coordination).
     `preparer`: a low-priority serial executor for prepare().
-    `filler`: a serial executor for device snapshots' device-to-host
-    copies (None: save() copies to the host itself)."""
+    `filler`: a serial executor for the copies into the staging buffer that
+    may run after save() returns (None: save() makes every copy itself).
+    `device_snapshot`: save() copies on the device (see
+    LocalTierOptions.device_snapshot); needs a filler."""
     self._pool = BufferPool(buffers)
     self._window = StagingWindow(job)
     self._preparer = preparer
     self._filler = filler
+    self._device_snapshot = device_snapshot
     self._closed = False
 
   def reserve(self, paths: Sequence[str], arrays: Sequence[Any]) -> tuple:
@@ -255,21 +261,31 @@ class StagingArea:
     t0 = time.perf_counter()
     layout, buffer = reserved if reserved is not None else self.reserve(paths, arrays)
     try:
-      copies = self._device_copies(step, arrays, layout)
-      if copies is None:
-        shards_lib.stage(arrays, layout, buffer)
-        return HostSnapshot(step, layout, buffer, time.perf_counter() - t0, self)
-      filled = self._filler.submit(shards_lib.fill, copies, layout, buffer)
-      del copies  # the filler's reference is the last: freed as it ends
+      filled = self._start_fill(step, arrays, layout, buffer)
     except BaseException:
       self._pool.release(buffer)
       raise
     return HostSnapshot(step, layout, buffer, time.perf_counter() - t0, self, filled)
 
+  def _start_fill(self, step, arrays, layout, buffer) -> concurrent.futures.Future | None:
+    """Device snapshots: dispatches the device copies and hands the rest to
+    the filler. Else blocks on the device-to-host copy; from accelerators the
+    copy into `buffer` then runs on the filler (the host copy is the
+    process's own memory: the trainer may donate the arrays at once); CPU
+    shards (views of the arrays) are copied here. None: `buffer` is filled."""
+    copies = self._device_copies(step, arrays, layout)
+    if copies is not None:
+      return self._filler.submit(shards_lib.fill, copies, layout, buffer)
+    shards = shards_lib.slot_shards(arrays, layout)
+    if self._filler is None or not shards_lib.off_host(shards):
+      shards_lib.fill(shards, layout, buffer)
+      return None
+    return self._filler.submit(shards_lib.copy_into, shards_lib.to_host(shards), layout, buffer)
+
   def _device_copies(self, step: int, arrays: Sequence[Any], layout) -> list | None:
     """The device-side copies for a device snapshot, or None to stage on the
-    host (no filler, or the device could not hold the copy)."""
-    if self._filler is None:
+    host (not asked for, or the device could not hold the copy)."""
+    if self._filler is None or not self._device_snapshot:
       return None
     try:
       return shards_lib.device_copies(arrays, layout)

@@ -51,7 +51,7 @@ def test_device_copies_are_new_buffers_with_the_same_bytes(mesh):
   paths, leaves, _ = shards_lib.leaf_paths(state)
   layout = shards_lib.layout_for(paths, leaves)
   copies = shards_lib.device_copies(leaves, layout)
-  originals = shards_lib._slot_shards(leaves, layout)  # noqa: SLF001
+  originals = shards_lib.slot_shards(leaves, layout)
   for got, orig in zip(copies, originals):
     assert len(got) == len(orig)
     for c, o in zip(got, orig):
@@ -154,3 +154,51 @@ def test_device_snapshot_from_yaml():
     }
   )
   assert opts.local.device_snapshot is True
+
+
+def test_host_snapshot_from_an_accelerator_copies_into_the_buffer_in_the_background(
+  options, mesh, monkeypatch
+):
+  """device_snapshot off, shards off the host (faked: on CPU the host copy
+  would be a view of the arrays, so the real code copies inline there):
+  save() blocks on the device-to-host copy only; the copy into the staging
+  buffer runs after it returns, and the step lands bit-exact."""
+  gate, started = threading.Event(), threading.Event()
+  copy_into = shards_lib.copy_into
+
+  def held(*args):
+    started.set()
+    assert gate.wait(30)
+    return copy_into(*args)
+
+  monkeypatch.setattr(shards_lib, "off_host", lambda shards: True)
+  monkeypatch.setattr(shards_lib, "copy_into", held)
+  state = _state(mesh, 7.0)
+  want = _host(state)
+  with ec.CheckpointManager(options, mesh=mesh) as mngr:
+    assert mngr.save(2, state)
+    assert started.wait(30)  # save() returned; the copy into the buffer waits
+    gate.set()
+    mngr.wait_until_finished()
+    r = mngr.restore(_abstract(state))
+  assert r.step == 2 and _same(r.state, want)
+
+
+def test_cpu_shards_are_copied_inside_save(options, mesh, monkeypatch):
+  """On CPU the host copy is a view of the arrays: it must be copied before
+  save() returns (the trainer may donate them), so nothing is left to the
+  background."""
+  threads = []
+  copy_into = shards_lib.copy_into
+
+  def spy(*args):
+    threads.append(threading.current_thread())
+    return copy_into(*args)
+
+  monkeypatch.setattr(shards_lib, "copy_into", spy)
+  state = _state(mesh, 8.0)
+  with ec.CheckpointManager(options, mesh=mesh) as mngr:
+    assert mngr.save(2, state)
+    mngr.wait_until_finished()
+    assert mngr.all_steps() == [2]
+  assert threads == [threading.main_thread()]
