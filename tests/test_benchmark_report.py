@@ -8,20 +8,29 @@ from emergency_ckpt.bench import figures as report
 from emergency_ckpt.bench.adapters import MANAGERS
 
 
-def _proc(stalls, memcpys, first_stall, first_memcpy):
+def _proc(stalls, memcpys, first_stall, first_memcpy, writes=(), cold=()):
   saves = [{"stall_s": s, "paired_memcpy_s": m} for s, m in zip(stalls, memcpys)]
-  return {"saves": saves, "warmup_save": {"stall_s": first_stall, "paired_memcpy_s": first_memcpy}}
+  for save, w in zip(saves, writes):
+    save["paired_persistent_write_s"] = w
+  return {
+    "saves": saves,
+    "warmup_save": {"stall_s": first_stall, "paired_memcpy_s": first_memcpy},
+    "restores": {"persistent_cold": [{"paired_cold_read_s": c} for c in cold]},
+  }
 
 
 def test_same_job_bound_is_the_per_save_max_over_processes_then_the_median():
   two = [
-    _proc([0.0, 0.0, 0.0], [0.050, 0.070, 0.040], 0.0, 0.060),
-    _proc([0.0, 0.0, 0.0], [0.060, 0.030, 0.045], 0.0, 0.065),
+    _proc([0.0] * 3, [0.050, 0.070, 0.040], 0.0, 0.060, [0.5, 0.9, 0.4], [0.30, 0.50, 0.20]),
+    _proc([0.0] * 3, [0.060, 0.030, 0.045], 0.0, 0.065, [0.6, 0.3, 0.45], [0.35, 0.10, 0.25]),
   ]
-  got = report.same_job_memcpy(two)
+  got = report.same_job_bounds(two)
   # per save max: 0.060, 0.070, 0.045 -> median 0.060; first: max(0.060, 0.065)
   assert got["save_stall_s"] == pytest.approx(0.060)
   assert got["first_save_stall_s"] == pytest.approx(0.065)
+  # per rep max: writes 0.6, 0.9, 0.45 -> 0.6; cold reads 0.35, 0.50, 0.25 -> 0.35
+  assert got["save_durable_persistent_s"] == pytest.approx(0.6)
+  assert got["restore_persistent_cold_s"] == pytest.approx(0.35)
 
 
 def _results(stall, bound, first_stall, first_bound, restore):

@@ -179,3 +179,49 @@ def test_xor_send_and_rebuild_of_large_steps(tmp_path, k):
       for s in servers.values():
         s.close()
     assert got.arrays[0][((0, sizes[lost] // 4),)].tobytes() == data[lost]
+
+
+@pytest.mark.parametrize("damaged", [False, True])
+def test_xor_rebuild_reads_the_rebuilders_own_blocks_in_place(tmp_path, damaged):
+  """The rebuilding survivor's own data and parity come from `here`, never
+  over the wire (its member has no server at all); the others' come from
+  their RangeServers. A flipped byte in its own parity (not checked on its
+  own) fails the rebuilt shard's CRC32C: an error, never a wrong byte."""
+  from emergency_ckpt.errors import CorruptCheckpointError  # noqa: PLC0415
+
+  k, lost, rebuilder = 3, 0, 1
+  sizes = [6 * MIB + 8, 5 * MIB, 7 * MIB + 4]
+  steps = [_step(str(tmp_path / f"host_{i}"), i, n, 10 + i) for i, n in enumerate(sizes)]
+  data = [d for _, d in steps]
+  blocks = {j: xor_parity.parity(j, data) for j in range(k)}
+  here = {(rebuilder, "data"): np.frombuffer(data[rebuilder], np.uint8)}
+  here[(rebuilder, "parity")] = blocks[rebuilder].copy()
+  if damaged:
+    here[(rebuilder, "parity")][100] ^= 0x10
+  servers = {
+    i: xor.RangeServer(
+      "127.0.0.1",
+      7,
+      {(i, "data"): np.frombuffer(data[i], np.uint8), (i, "parity"): blocks[i]},
+      timeout_s=30,
+      log_prefix=f"[s{i}]",
+    )
+    for i in range(k)
+    if i not in (lost, rebuilder)
+  }
+  offers = {i: s.offer() for i, s in servers.items()}
+  offers[rebuilder] = {"error": "fetched what it holds"}
+  try:
+    manifest = local_format.read_manifest(steps[lost][0])
+    call = lambda: xor.rebuild(  # noqa: E731
+      7, lost, list(range(k)), dict(enumerate(sizes)), manifest, offers, timeout_s=30, here=here
+    )
+    if damaged:
+      with pytest.raises(CorruptCheckpointError):
+        call()
+      return
+    got = call()
+  finally:
+    for s in servers.values():
+      s.close()
+  assert got.arrays[0][((0, sizes[lost] // 4),)].tobytes() == data[lost]

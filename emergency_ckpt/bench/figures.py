@@ -45,7 +45,11 @@ METRICS = (
   Metric("first_save_stall_s", "first save() stall of a manager", "s", "memcpy_s", same_job=True),
   Metric("save_durable_local_s", "save until durable locally", "s", "ramdisk_write_s"),
   Metric(
-    "save_durable_persistent_s", "save until durable on persistent", "s", "persistent_write_s"
+    "save_durable_persistent_s",
+    "save until durable on persistent",
+    "s",
+    "persistent_write_s",
+    same_job=True,
   ),
   Metric("save_cpu_s", "CPU-seconds per save, all processes", "cpu-s", "cpu_memcpy_write_s"),
   Metric(
@@ -61,6 +65,7 @@ METRICS = (
     "restore from persistent, cache evicted",
     "s",
     "persistent_cold_read_s",
+    same_job=True,
   ),
   Metric("start_to_restored_s", "process spawn to restored state", "s", "ready_plus_read_s"),
 )
@@ -165,8 +170,6 @@ def manager_figures(
       "one sample: the untimed warm-up save of the timed manager, after prepare() where"
       " the manager has it (ours) and a wait standing for the trainer's compile time",
     )
-    for key, bound in same_job_memcpy(two).items():
-      figs[key]["bound"] = bound
     if name == ORBAX_MS:
       add(
         "save_durable_local_s",
@@ -209,6 +212,8 @@ def manager_figures(
           "on 2 slices only slice 1 keeps a ramdisk copy, so losing it means a"
           " persistent restore (page cache warm)"
         )
+    for key, bound in same_job_bounds(two).items():
+      figs[key]["bound"] = bound
     extras = _manager_extras(two, four)
   if restarts:
     per_job = [max(p["restored_s"] for p in job) for job in restarts]
@@ -241,13 +246,22 @@ def manager_figures(
   return {mt.key: figs[mt.key] for mt in METRICS}, extras
 
 
-def same_job_memcpy(two: list[dict]) -> dict[str, float | None]:
-  """The stall rows' bounds from a manager's 2x2 job: the memcpy of the same
-  bytes timed just before each save (per save the max over processes; the
-  median over the timed saves), and the one before the first save."""
+def same_job_bounds(two: list[dict]) -> dict[str, float | None]:
+  """The same-job bounds from a manager's 2x2 job (per rep the max over
+  processes, the median over reps): the stall rows' memcpy of the same
+  bytes timed just before each save (and the one before the first save);
+  the durable-on-persistent row's write + fsync of them to the persistent
+  dir, just before each save; the cold persistent restore's cold read of
+  them from there, just before each such restore."""
+  cold = _per_rep(
+    two, lambda p: [r.get("paired_cold_read_s") for r in p["restores"]["persistent_cold"]]
+  )
+  writes = _per_rep(two, lambda p: [s.get("paired_persistent_write_s") for s in p["saves"]])
   return {
     "save_stall_s": _median(_per_rep(two, lambda p: [s["paired_memcpy_s"] for s in p["saves"]])),
     "first_save_stall_s": max(p["warmup_save"]["paired_memcpy_s"] for p in two),
+    "save_durable_persistent_s": _median([x for x in writes if x is not None]),
+    "restore_persistent_cold_s": _median([x for x in cold if x is not None]),
   }
 
 

@@ -77,6 +77,22 @@ def markdown(doc: dict) -> str:
       f"- the same memcpy in this run's jobs: {min(memcpys):.3f}-{max(memcpys):.3f} s;"
       f" against the raw-bounds job's ({raw['memcpy_s']['value']:.3f} s) the stall is {cross}"
     )
+  persistent_rows = [mt for mt in METRICS if mt.same_job and mt.bound.startswith("persistent_")]
+  if persistent_rows:
+    lines += [
+      "",
+      "Persistent rows (durable on persistent, restore from persistent cold): 'raw bound' is"
+      " a write + fsync of the same bytes to a file in the persistent dir, timed just before"
+      " each save, and a cold read of that file (page cache evicted) just before each cold"
+      " restore, all processes at once, in that manager's own job: the disk's speed drifts"
+      " between jobs (cold reads 0.46-0.81 s for the same bytes in six runs of 2026-11-25)."
+      " Against the raw-bounds job's bound:",
+    ]
+    for mt in persistent_rows:
+      cross = ", ".join(
+        f"{name} {_x(rat[name][mt.key].get('to_raw_job_bound'))}" for name in MANAGERS
+      )
+      lines.append(f"- {mt.label}: {cross}")
   lines += ["", "Raw bounds:"]
   for key, b in raw.items():
     lines.append(f"- `{key}` = {b['value']:.4g} {b['unit']}: {b['what']}")

@@ -141,17 +141,29 @@ def raw_bounds(args: dict) -> dict:
 
 # ---- managers ----------------------------------------------------------------
 def _timed_save(
-  adapter: adapters.Adapter, step: int, state, rss_base: int, paired: tuple | None = None
+  adapter: adapters.Adapter,
+  step: int,
+  state,
+  rss_base: int,
+  paired: tuple | None = None,
+  paired_file: str | None = None,
 ) -> dict:
   """One save, timed. `paired` = (buffer, parts): first a memcpy of the
   same bytes, timed in the same job seconds before the save (a bound that
-  shares the machine's drift, unlike the raw-bounds job's)."""
-  memcpy_s = None
+  shares the machine's drift, unlike the raw-bounds job's); `paired_file`:
+  then a write + fsync of them to that file in the persistent dir, all
+  processes at once (the durable-on-persistent row's same-job bound)."""
+  memcpy_s = write_s = None
   if paired is not None:
     barrier(f"memcpy-{step}")
     t0 = m.now()
     m.memcpy(*paired)
     memcpy_s = m.now() - t0
+    if paired_file is not None:
+      barrier(f"pwrite-{step}")
+      t0 = m.now()
+      m.write_file(paired_file, paired[1])
+      write_s = m.now() - t0
   barrier(f"save-{step}")
   sampler = m.PeakRss().start()
   maxrss0 = m.maxrss_bytes()
@@ -176,6 +188,7 @@ def _timed_save(
     "maxrss_delta_bytes": m.maxrss_bytes() - maxrss0,
     "peak_method": sampler.method,
     "paired_memcpy_s": memcpy_s,
+    "paired_persistent_write_s": write_s,
   }
 
 
@@ -190,11 +203,15 @@ def _timed_restore(
   variant: str,
   wiped: tuple[int, ...],
   original,
+  paired_read: tuple[str, np.ndarray] | None = None,
 ) -> dict:
   """Resets the ramdisks to the saved copies (where a backup exists; the
   others are never modified by a restore), wipes the `wiped` slices'
   ramdisks (and evicts the persistent files for 'persistent_cold'), then
-  times a fresh manager from construction to restored, ready arrays."""
+  times a fresh manager from construction to restored, ready arrays.
+  `paired_read` = (file, buffer), for 'persistent_cold': first a cold read
+  of the process's bytes from that file in the persistent dir, all
+  processes at once, just before the restore (its same-job bound)."""
   name = args["manager"]
   host, backup, persistent = _paths(args, name, layout.name)
   if os.path.isdir(backup):
@@ -205,6 +222,13 @@ def _timed_restore(
   evicted = None
   if variant == "persistent_cold" and jax.process_index() == 0:
     evicted = m.evict_tree(persistent)
+  cold_read_s = None
+  if variant == "persistent_cold" and paired_read is not None:
+    m.evict_file(paired_read[0])
+    barrier(f"restore-{variant}-paired")
+    t0 = m.now()
+    m.read_file(*paired_read)
+    cold_read_s = m.now() - t0
   had_local = _has_files(host)
   barrier(f"restore-{variant}-ready")
   t0 = m.now()
@@ -227,6 +251,7 @@ def _timed_restore(
     "mismatched_shards": bad,
     "had_local": had_local,
     "evicted_files": evicted,
+    "paired_cold_read_s": cold_read_s,
   }
 
 
@@ -293,6 +318,8 @@ def _main_2x2(args: dict) -> dict:
     rec["p2p_server"] = adapter.bound
   parts = st.unique_shards(state)
   paired = (np.ones(sum(p.nbytes for p in parts), np.uint8), parts)  # before the RSS baseline
+  paired_file = os.path.join(os.path.dirname(persistent), f"paired_raw_{jax.process_index()}.bin")
+  os.makedirs(os.path.dirname(paired_file), exist_ok=True)
   barrier("saves-begin")
   rss_base = m.rss_bytes()  # before prepare(): the prepared buffer's pages count as the save's
   # The documented flow: prepare() while the trainer initializes (its wait
@@ -301,8 +328,10 @@ def _main_2x2(args: dict) -> dict:
   adapter.wait_all()
   barrier("saves-prepared")
   saves = [
-    _timed_save(adapter, step_of(k), state, rss_base, paired) for k in range(WARMUP_SAVES + reps)
+    _timed_save(adapter, step_of(k), state, rss_base, paired, paired_file)
+    for k in range(WARMUP_SAVES + reps)
   ]
+  paired_read = (paired_file, paired[0])
   del paired
   adapter.close()
   rec["rss_base_bytes"] = rss_base
@@ -318,12 +347,17 @@ def _main_2x2(args: dict) -> dict:
   rec["first_restores"] = {}
   for variant in VARIANTS:
     progress(f"{name} 2x2: warm-up restore {variant}")
-    rec["first_restores"][variant] = _timed_restore(args, layout, variant, wipes[variant], state)
+    rec["first_restores"][variant] = _timed_restore(
+      args, layout, variant, wipes[variant], state, paired_read
+    )
   rec["restores"] = {v: [] for v in VARIANTS}
   for k in range(reps):
     for variant in VARIANTS:
       progress(f"{name} 2x2: restore {variant} ({k + 1}/{reps})")
-      rec["restores"][variant].append(_timed_restore(args, layout, variant, wipes[variant], state))
+      rec["restores"][variant].append(
+        _timed_restore(args, layout, variant, wipes[variant], state, paired_read)
+      )
+  os.remove(paired_file)
   _pristine(host, backup)  # what manager_restart restores
   shutil.rmtree(backup)
   barrier("2x2-done")

@@ -324,6 +324,7 @@ def _rebuild(
         manifest,
         {p: offers.get(f"d{p}") for p in members if p != lost},
         timeout_s=timeout_s,
+        here=files,
       )
       by_path = dict(zip([leaf["path"] for leaf in manifest["leaves"]], got.arrays))
       out[lost] = LocalStep(step, manifest, [by_path[p] for p in paths])

@@ -336,30 +336,44 @@ def rebuild(
   offers: Mapping[int, dict],
   *,
   timeout_s: float,
+  here: Mapping[tuple[int, str], np.ndarray] | None = None,
 ) -> LocalStep:
   """Member `lost` of `group` (saved processes) rebuilt from the other
   members' data and parity blocks (served by RangeServers: `offers` by
   saved process), every shard checked against `manifest`'s CRC32Cs.
-  `sizes`: every member's shards.bin bytes. Raises PeerTransferError,
-  CorruptCheckpointError or OSError."""
+  `sizes`: every member's shards.bin bytes. `here`: {(saved process,
+  "data" | "parity"): bytes} this process holds, read in place rather than
+  fetched (unchecked on their own: a bad byte fails the rebuilt shard's
+  CRC32C). Raises PeerTransferError, CorruptCheckpointError or OSError."""
   k = len(group)
   m = list(group).index(lost)
   plan = xp.rebuild_sources(m, k)
   plen = {j: xp.block_length([sizes[i] for i in range(k)], j) for j in range(k)}
+  here = here or {}
   requests: dict[int, list] = {}
+  got: dict[int, dict] = {}
+
+  def need(process: int, kind: str, off: int, length: int) -> None:
+    buf = here.get((process, kind))
+    if buf is not None and off + length <= len(buf):
+      got.setdefault(process, {})[_key([process, kind, off, length])] = buf[off : off + length]
+    else:
+      requests.setdefault(process, []).append([process, kind, off, length])
+
   for j, others in plan:
-    requests.setdefault(group[j], []).append([group[j], "parity", 0, plen[j]])
+    need(group[j], "parity", 0, plen[j])
     for i, ti in others:
-      off, length = xp.chunk(sizes[i], k, ti)
-      requests.setdefault(group[i], []).append([group[i], "data", off, length])
-  with concurrent.futures.ThreadPoolExecutor(len(requests), "ec-xor-fetch") as pool:
-    futures = {
-      p: pool.submit(
-        _fetch, offers.get(p) or {"error": "no address"}, p, step, r, timeout_s=timeout_s
-      )
-      for p, r in requests.items()
-    }
-    got = {p: dict(zip(map(_key, requests[p]), f.result())) for p, f in futures.items()}
+      need(group[i], "data", *xp.chunk(sizes[i], k, ti))
+  if requests:
+    with concurrent.futures.ThreadPoolExecutor(len(requests), "ec-xor-fetch") as pool:
+      futures = {
+        p: pool.submit(
+          _fetch, offers.get(p) or {"error": "no address"}, p, step, r, timeout_s=timeout_s
+        )
+        for p, r in requests.items()
+      }
+      for p, f in futures.items():
+        got.setdefault(p, {}).update(zip(map(_key, requests[p]), f.result()))
   out = np.zeros(sizes[m], np.uint8)
   for t, (j, others) in enumerate(plan):
     acc = got[group[j]][_key([group[j], "parity", 0, plen[j]])].copy()
