@@ -52,8 +52,7 @@ def render_markdown(doc: dict[str, Any]) -> str:
     "",
     "## Exchange: K simulated processes against one real JAX coordination service",
     "",
-    _mode(cfg, stages),
-    f" {cfg['processes_per_slice']} processes per slice."
+    _mode(cfg, stages) + f" {cfg['processes_per_slice']} processes per slice."
     f" Payload: an inventory JSON of {_payload(stages)} bytes on average. Time: from the"
     f" release of one start event to the last process's return, median of {cfg['reps']}"
     " after one warm-up; it is the work of all K processes and the service on this"
