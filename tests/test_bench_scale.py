@@ -1,10 +1,13 @@
 """The scale benchmark (`python -m emergency_ckpt.bench.scale`) at a tiny size.
 
 One subprocess run: the library's exchange against a real coordination
-service with 4 and 16 simulated processes (the old algorithm too), and the
-restore planner at 64 and 256 processes. Checks the output's shape, that the
-inventory exchange makes 4 to 8 calls to the service per process whatever K
-(the all-gather 3, the old one K + 1), and the planner's answer. No timing assertions: the machine is shared.
+service with 4 and 16 simulated processes in 2 worker processes (the old
+algorithm too), and the restore planner at 64 and 256 processes. Checks the
+output's shape, that the inventory exchange makes 4 to 8 calls to the service
+per process whatever K (the all-gather 3, the old one K + 1), and the
+planner's answer. Then the exchange in one interpreter (--exchange-workers 1)
+and a worker's error reaching the parent, in this process. No timing
+assertions: the machine is shared.
 """
 
 from __future__ import annotations
@@ -14,6 +17,9 @@ import json
 import subprocess
 import sys
 
+import pytest
+
+from emergency_ckpt.bench import scale_exchange
 from emergency_ckpt.cli.bench import add_scale_arguments, scale_argv
 
 STEPS = 50
@@ -23,6 +29,7 @@ NEWEST = 100 * STEPS  # the planner's steps are 100, 200, ... 100 * STEPS
 def test_scale_benchmark_tiny(tmp_path):
   out = tmp_path / "scale"
   cmd = [sys.executable, "-m", "emergency_ckpt.bench.scale", "--ks", "4,16", "--reps", "1"]
+  cmd += ["--exchange-workers", "2"]  # whatever this machine's CPU count
   cmd += ["--planner-processes", "64,256", "--planner-reps", "1", "--timeout", "60"]
   cmd += ["--real-processes", "none", "--commit-ks", "8"]  # real jobs: test_scale_job.py
   cmd += ["--out", str(out)]
@@ -37,8 +44,13 @@ def test_scale_benchmark_tiny(tmp_path):
   for stage in stages.values():
     assert stage["points"] and "fit" in stage and stage["label"]
 
+  assert doc["config"]["exchange_workers"] == 2
   tree = stages["exchange"]["points"]
   assert [p["k"] for p in tree] == [4, 16]
+  for name in ("exchange", "exchange_allgather", "exchange_old"):
+    for p in stages[name]["points"]:  # clients in 2 worker processes, the service here
+      assert p["workers"] == 2 and "2 worker processes" in p["mode"], p
+      assert p["service_cpu_s"] > 0 and p["cpu_total_s_per_process"] > 0, p
   for p in tree:  # the library's inventory exchange: a gather_tree
     # a plain process: set, slice barrier, job barrier, one get; the primary
     # at most 8 (it also reads its slice and the summaries, sets two, deletes)
@@ -77,12 +89,37 @@ def test_scale_benchmark_tiny(tmp_path):
 
   md = (out / "scale.md").read_text()
   assert "| K |" in md and "Restore planner" in md and "OLD algorithm" in md
+  assert "Mode: 2 worker processes" in md
   try:
     import matplotlib  # noqa: F401
   except ImportError:
     assert "no scale.png" in proc.stdout
   else:
     assert (out / "scale.png").stat().st_size > 0
+
+
+def test_exchange_one_interpreter():
+  """--exchange-workers 1: every client a thread of this program; the same
+  answers and counts as in worker mode."""
+  got = scale_exchange.measure_exchange(4, 1, True, 60.0, True, workers=1)
+  assert set(got) == {"exchange", "exchange_allgather", "exchange_old"}
+  tree = got["exchange"]
+  assert tree["workers"] == 1 and "one interpreter" in tree["mode"]
+  assert tree["service_cpu_s"] is None and tree["cpu_total_s_per_process"] > 0
+  assert tree["calls_per_process_min"] == 4 and tree["calls_per_process_max"] <= 8
+  assert got["exchange_old"]["calls_per_process_min"] == 5
+
+
+def test_exchange_worker_error_reaches_parent():
+  """A worker's error is raised here, naming the round; the workers are
+  stopped and the service shut down."""
+  sim = scale_exchange.Simulation(4, 30.0, workers=2)
+  try:
+    with pytest.raises(RuntimeError, match="no-such-round"):
+      sim.round("no-such-round", 0)
+  finally:
+    sim.close()
+  assert not sim._procs  # noqa: SLF001 - killed and joined
 
 
 def test_cli_scale_arguments():

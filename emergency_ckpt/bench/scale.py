@@ -1,6 +1,7 @@
 """Scale benchmark: the exchange and the restore planner as curves over the process count.
 
   python -m emergency_ckpt.bench.scale [--ks 16,64,256,1024,2048] [--max-k N] [--reps R]
+                                       [--exchange-workers P]
                                        [--planner-processes 1024,4096,16384] [--out DIR]
   (or `emergency-ckpt bench --scale`)
 
@@ -8,11 +9,15 @@ Stages, each a curve over the process count K:
   exchange      the library's own `topology.Collectives.exchange` (not a model
                 of it) against a real JAX coordination service on 127.0.0.1 with
                 K simulated processes: one service client per process, one
-                thread per process, all in this Python program. Each process
+                thread per process, spread over --exchange-workers worker
+                processes (default: one per CPU; K/P threads each, the service
+                in this program; 1: every client a thread of this program).
+                Each process
                 exchanges a realistic inventory JSON (restore_plan.Inventory, a
                 few step numbers and a host id). Per K: wall time of one exchange
-                (all K threads wait on one start event; the time runs from its
-                release to the last thread's return; median over --reps after
+                (all K threads wait on one start event, across the workers;
+                the time runs from its release to the last thread's return, in
+                any worker (CLOCK_MONOTONIC); median over --reps after
                 one untimed warm-up), each process's CPU time in it (thread
                 time: what one process of a real job spends), calls to the
                 coordination service per process per exchange and bytes
@@ -31,10 +36,10 @@ Stages, each a curve over the process count K:
                 tracemalloc peak per process.
 
 Each stage's growth exponent is fitted (least squares of log time on log K
-over K >= 64) and extrapolated to K = 16,384. Threads share one GIL, so an
-exchange's wall time here is about K x one process's CPU time (every process
-decodes K inventories, one after another): pessimistic; compare curves of one
-run.
+over K >= 64) and extrapolated to K = 16,384. The simulated processes share
+this machine's cores (and each worker's K/P threads one GIL), so an exchange's
+wall time here is about the CPU of all K processes and the service over the
+cores: pessimistic; compare curves of one run.
 
 Writes <out>/scale.json, <out>/scale.md and <out>/scale.png (only when
 matplotlib is installed: it is not a dependency of the package) and prints the
@@ -58,6 +63,7 @@ from typing import Any
 from emergency_ckpt.bench.scale_exchange import (
   PROCESSES_PER_SLICE,
   SWITCH_INTERVAL_S,
+  default_workers,
   measure_exchange,
   progress,
 )
@@ -146,6 +152,13 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--max-k", type=int, default=DEFAULT_MAX_K, help="drop larger --ks")
   p.add_argument("--reps", type=int, default=DEFAULT_REPS, help="timed exchanges per K")
   p.add_argument(
+    "--exchange-workers",
+    type=int,
+    default=default_workers(),
+    help="worker processes holding the exchange's simulated clients (default: one per CPU,"
+    " %(default)s here; 1: all of them threads of this program)",
+  )
+  p.add_argument(
     "--old-max-k", type=int, default=DEFAULT_OLD_MAX_K, help="largest K for the old algorithm"
   )
   p.add_argument(
@@ -182,6 +195,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   args.ks = [k for k in args.ks if k <= args.max_k]
   if not args.ks:
     p.error(f"no process count in --ks is <= --max-k {args.max_k}")
+  if args.exchange_workers < 1:
+    p.error("--exchange-workers must be >= 1")
   if args.reps < 1 or args.planner_reps < 1:
     p.error("--reps and --planner-reps must be >= 1")
   if args.planner_steps < 1 or args.planner_slices < 1:
@@ -238,6 +253,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     "argv": list(argv),
     "ks": args.ks,
     "reps": args.reps,
+    "exchange_workers": args.exchange_workers,
     "old_max_k": args.old_max_k,
     "allgather_max_k": args.allgather_max_k,
     "planner_processes": args.planner_processes,
@@ -262,7 +278,12 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
   stages["exchange"]["algorithm"] = "tree: inventory.gather (topology.Collectives.gather_tree)"
   for k in args.ks:
     got = measure_exchange(
-      k, args.reps, k <= args.old_max_k, args.timeout, k <= args.allgather_max_k
+      k,
+      args.reps,
+      k <= args.old_max_k,
+      args.timeout,
+      k <= args.allgather_max_k,
+      workers=args.exchange_workers,
     )
     for name, point in got.items():
       stages[name]["points"].append(point)
@@ -315,8 +336,9 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
       else "."
     ),
     "Wall time here is the work of all K simulated processes and the service on this"
-    " machine's cores under one GIL; in a real job each process runs on its own host,"
-    " so its latency is nearer the service's time plus its own CPU/process.",
+    f" machine's {os.cpu_count()} cores ({_mode_note(stages['exchange']['points'])}); in a"
+    " real job each process runs on its own host, so its latency is nearer the service's"
+    " time plus its own CPU/process.",
   ]
   if not stages["planner"]["meets_target_at_largest"]:
     notes.append(
@@ -334,12 +356,24 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
   }
 
 
+def _mode_note(points: Sequence[dict[str, Any]]) -> str:
+  """How the exchange rows' simulated processes ran, e.g. "2 worker processes"."""
+  workers = sorted({p["workers"] for p in points})
+  if workers == [1]:
+    return "every simulated process a thread of one interpreter, under one GIL"
+  return (
+    f"the simulated processes in {', '.join(map(str, workers))} worker processes, each one"
+    " interpreter with its share as threads; the service in the benchmark's own process"
+  )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
   args = parse_args(argv)
   os.makedirs(args.out, exist_ok=True)
   progress(
-    f"exchange at K={args.ks} ({args.reps} reps, old algorithm up to K={args.old_max_k});"
+    f"exchange at K={args.ks} ({args.reps} reps, old algorithm up to K={args.old_max_k},"
+    f" clients in {args.exchange_workers} worker process(es));"
     f" planner at {args.planner_processes} processes"
   )
   doc = run(args, argv)

@@ -52,14 +52,15 @@ def render_markdown(doc: dict[str, Any]) -> str:
     "",
     "## Exchange: K simulated processes against one real JAX coordination service",
     "",
-    "One client and one thread per simulated process, all in one Python program on"
-    f" 127.0.0.1 (GIL switch interval {cfg['switch_interval_s'] * 1000:.0f} ms),"
-    f" {cfg['processes_per_slice']} processes per slice."
+    _mode(cfg, stages) + f" {cfg['processes_per_slice']} processes per slice."
     f" Payload: an inventory JSON of {_payload(stages)} bytes on average. Time: from the"
     f" release of one start event to the last process's return, median of {cfg['reps']}"
     " after one warm-up; it is the work of all K processes and the service on this"
     " machine's cores, so it is pessimistic. CPU/process: the median thread CPU time of"
-    " one process's exchange, closer to what each process of a real job spends. Calls"
+    " one process's exchange, closer to what each process of a real job spends. All"
+    " CPU / K: the CPU time of every thread of the simulation (clients, gRPC, service)"
+    " in one exchange, over K; in brackets the service's own share, where it has a"
+    " process to itself (worker mode). Calls"
     " and bytes received: per process per exchange, counted by a wrapper around each"
     " client. Tree = the library's inventory exchange (`inventory.gather`, a"
     " `Collectives.gather_tree`); all-gather = `Collectives.exchange` (every process"
@@ -68,9 +69,9 @@ def render_markdown(doc: dict[str, Any]) -> str:
     f" benchmark, K <= {cfg['old_max_k']} only.",
     "",
     "| K | tree: time | tree: CPU/process | tree: calls/process | tree: received/process"
-    " | tree: service sends | all-gather: time | all-gather: received/process"
-    " | old: time | old: calls/process | connect K clients |",
-    "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    " | tree: service sends | tree: all CPU / K (service) | all-gather: time"
+    " | all-gather: received/process | old: time | old: calls/process | connect K clients |",
+    "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
   ]
   for k in sorted(new):
     p, o, a = new[k], old.get(k), every.get(k)
@@ -78,6 +79,7 @@ def render_markdown(doc: dict[str, Any]) -> str:
       f"| {k:,} | {fmt_secs(p['wall_s'])} | {fmt_secs(p['cpu_s_per_process'])} | {calls_text(p)}"
       f" | {_kib(p['bytes_received_per_process'])}"
       f" | {p['service_bytes_sent'] / 2**20:,.2f} MiB"
+      f" | {_all_cpu(p)}"
       f" | {fmt_secs(a['wall_s']) if a else '-'}"
       f" | {_kib(a['bytes_received_per_process']) if a else '-'}"
       f" | {fmt_secs(o['wall_s']) if o else '-'} | {calls_text(o) if o else '-'}"
@@ -212,6 +214,32 @@ def _commit(commit: dict[str, Any] | None) -> list[str]:
       f" | {cs['old_listing_pages']} |"
     )
   return lines
+
+
+def _mode(cfg: dict[str, Any], stages: dict[str, Any]) -> str:
+  """Where the simulated processes ran (the rows' mode), as a sentence."""
+  workers = sorted({p.get("workers", 1) for p in stages["exchange"]["points"]})
+  gil = f"GIL switch interval {cfg['switch_interval_s'] * 1000:.0f} ms"
+  if workers == [1]:
+    return (
+      "Mode: one interpreter. One client and one thread per simulated process, all in one"
+      f" Python program with the service, on 127.0.0.1 ({gil}),"
+    )
+  return (
+    f"Mode: {'/'.join(map(str, workers))} worker processes (--exchange-workers"
+    f" {cfg.get('exchange_workers', '?')}; fewer where K is smaller). One client and one"
+    " thread per simulated process; each worker, one Python interpreter, holds K/P"
+    " consecutive processes; one start event across the workers releases them all; the"
+    f" service in the benchmark's own process, on 127.0.0.1 ({gil} in each worker),"
+  )
+
+
+def _all_cpu(p: dict[str, Any]) -> str:
+  if "cpu_total_s_per_process" not in p:
+    return "-"
+  svc = p.get("service_cpu_s")
+  extra = "" if svc is None else f" ({fmt_secs(svc / p['k'])})"
+  return fmt_secs(p["cpu_total_s_per_process"]) + extra
 
 
 def _payload(stages) -> str:
