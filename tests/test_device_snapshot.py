@@ -46,6 +46,21 @@ def _same(restored: dict, want: dict) -> bool:
   return all(np.asarray(restored[k]).tobytes() == want[k].tobytes() for k in want)
 
 
+def _hold(monkeypatch, name: str) -> tuple[threading.Event, threading.Event]:
+  """Holds every call of shards_lib.<name> until `gate` is set; `started`
+  is set when one arrives."""
+  gate, started = threading.Event(), threading.Event()
+  real = getattr(shards_lib, name)
+
+  def held(*args):
+    started.set()
+    assert gate.wait(30)
+    return real(*args)
+
+  monkeypatch.setattr(shards_lib, name, held)
+  return gate, started
+
+
 def test_device_copies_are_new_buffers_with_the_same_bytes(mesh):
   state = _state(mesh, 3.0)
   paths, leaves, _ = shards_lib.leaf_paths(state)
@@ -66,15 +81,7 @@ def test_save_returns_before_the_host_copy_and_the_donated_state_is_what_lands(
   """The background fill is held until the trainer has donated the saved
   arrays to two more steps: the local and the persistent copy (step 4 is
   both) still hold the state at save() time, bit for bit."""
-  gate, started = threading.Event(), threading.Event()
-  fill = shards_lib.fill
-
-  def held_fill(*args):
-    started.set()
-    assert gate.wait(30)
-    return fill(*args)
-
-  monkeypatch.setattr(shards_lib, "fill", held_fill)
+  gate, started = _hold(monkeypatch, "fill")
   step_fn = jax.jit(lambda s: jax.tree.map(lambda x: x * 3 + 1, s), donate_argnums=0)
   state = _state(mesh, 0.5)
   want, abstract = _host(state), _abstract(state)
@@ -163,16 +170,8 @@ def test_host_snapshot_from_an_accelerator_copies_into_the_buffer_in_the_backgro
   would be a view of the arrays, so the real code copies inline there):
   save() blocks on the device-to-host copy only; the copy into the staging
   buffer runs after it returns, and the step lands bit-exact."""
-  gate, started = threading.Event(), threading.Event()
-  copy_into = shards_lib.copy_into
-
-  def held(*args):
-    started.set()
-    assert gate.wait(30)
-    return copy_into(*args)
-
   monkeypatch.setattr(shards_lib, "off_host", lambda shards: True)
-  monkeypatch.setattr(shards_lib, "copy_into", held)
+  gate, started = _hold(monkeypatch, "copy_into")
   state = _state(mesh, 7.0)
   want = _host(state)
   with ec.CheckpointManager(options, mesh=mesh) as mngr:

@@ -116,6 +116,20 @@ def test_a_partner_copy_a_restore_mapped_is_never_written_over(tmp_path):
   assert sorted(os.listdir(partner.partner_dir(host, 3))) == ["step_3"]
 
 
+def _range_servers(data: list[bytes], blocks: dict, members: list[int]) -> dict:
+  """A RangeServer of step 7 per member, serving its data and parity block."""
+  return {
+    i: xor.RangeServer(
+      "127.0.0.1",
+      7,
+      {(i, "data"): np.frombuffer(data[i], np.uint8), (i, "parity"): blocks[i]},
+      timeout_s=30,
+      log_prefix=f"[s{i}]",
+    )
+    for i in members
+  }
+
+
 @pytest.mark.parametrize("k", [2, 3])
 def test_xor_send_and_rebuild_of_large_steps(tmp_path, k):
   sizes = [20 * MIB + 12, 9 * MIB + 4, 16 * MIB][:k]
@@ -153,17 +167,7 @@ def test_xor_send_and_rebuild_of_large_steps(tmp_path, k):
     body = xor.read_group(folder)
     assert body["parity_crc32c"] == crc32c.crc32c(blocks[j])
   for lost in group:  # each member rebuilt from the others' data and blocks
-    servers = {
-      i: xor.RangeServer(
-        "127.0.0.1",
-        7,
-        {(i, "data"): np.frombuffer(data[i], np.uint8), (i, "parity"): blocks[i]},
-        timeout_s=30,
-        log_prefix=f"[s{i}]",
-      )
-      for i in group
-      if i != lost
-    }
+    servers = _range_servers(data, blocks, [i for i in group if i != lost])
     try:
       manifest = local_format.read_manifest(steps[lost][0])
       got = xor.rebuild(
@@ -198,17 +202,7 @@ def test_xor_rebuild_reads_the_rebuilders_own_blocks_in_place(tmp_path, damaged)
   here[(rebuilder, "parity")] = blocks[rebuilder].copy()
   if damaged:
     here[(rebuilder, "parity")][100] ^= 0x10
-  servers = {
-    i: xor.RangeServer(
-      "127.0.0.1",
-      7,
-      {(i, "data"): np.frombuffer(data[i], np.uint8), (i, "parity"): blocks[i]},
-      timeout_s=30,
-      log_prefix=f"[s{i}]",
-    )
-    for i in range(k)
-    if i not in (lost, rebuilder)
-  }
+  servers = _range_servers(data, blocks, [i for i in range(k) if i not in (lost, rebuilder)])
   offers = {i: s.offer() for i, s in servers.items()}
   offers[rebuilder] = {"error": "fetched what it holds"}
   try:
