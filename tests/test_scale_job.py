@@ -86,4 +86,9 @@ def test_real_job_benchmark_smoke(shm_dir, tmp_path):
     assert fig["sources"] == {"local": int(n) // 2, "peer": int(n) // 2}
     for key in ("manager_init_s", "latest_step_s", "latest_step_again_s", "restore_s"):
       assert fig[key]["max"] >= fig[key]["median"] > 0
-  assert set(out["ratio_4_2"]) >= {"latest_step_s", "restore_s"}
+    for key in ("latest_step_cpu_s", "restore_cpu_s"):
+      assert fig[key]["max"] >= fig[key]["median"] > 0
+  assert set(out["ratio_4_2"]) >= {"latest_step_s", "restore_s", "restore_cpu_s"}
+  from emergency_ckpt.bench.scale_report import _real_jobs  # noqa: PLC0415
+
+  assert any(line.startswith("CPU per process") for line in _real_jobs(out))

@@ -61,6 +61,9 @@ DEFAULT_WIPE_SLICES = 2
 STEP = 1
 COLUMNS = 256  # float32 columns of the state's one large leaf
 TIMED = ("manager_init_s", "latest_step_s", "latest_step_again_s", "restore_s")
+# CPU seconds of the process (all its threads) in the first latest_step() and
+# in restore(): what each process spends, apart from waiting for the others
+CPU = ("latest_step_cpu_s", "restore_cpu_s")
 WORKERS = "emergency_ckpt.bench.scale_real"  # by name: `python -m` runs this file as __main__
 
 
@@ -182,18 +185,21 @@ def restart_worker(args: dict) -> dict:
   mngr = ec.CheckpointManager(_options(args), mesh=mesh)
   out["manager_init_s"] = time.monotonic() - t
   try:
-    again = []
+    again, cpu = [], []
     for rep in range(1 + args["latest_reps"]):
       barrier(f"scale-real-latest-{rep}")
-      t = time.monotonic()
+      t, c = time.monotonic(), time.process_time()
       latest = mngr.latest_step()
       again.append(time.monotonic() - t)
+      cpu.append(time.process_time() - c)
+    out["latest_step_cpu_s"] = cpu[0]
     out["latest_step_s"] = again[0]
     out["latest_step_again_s"] = statistics.median(again[1:]) if again[1:] else again[0]
     barrier("scale-real-restore")
-    t = time.monotonic()
+    t, c = time.monotonic(), time.process_time()
     r = mngr.restore(abstract)
     out["restore_s"] = time.monotonic() - t
+    out["restore_cpu_s"] = time.process_time() - c
     out.update(
       latest=latest,
       step=r.step,
@@ -286,7 +292,7 @@ def measure_one(
     "save_job_wall_s": save.wall_s,
     "restart_job_wall_s": restart.wall_s,
   }
-  for key in ("import_orbax_s", *TIMED):
+  for key in ("import_orbax_s", *TIMED, *CPU):
     out[key] = _summary([r[key] for r in recs])
   return out
 
@@ -344,7 +350,7 @@ def measure_real_jobs(
     lo, hi = out[str(counts[0])], out[str(counts[-1])]
     out[f"ratio_{counts[-1]}_{counts[0]}"] = {
       key: {s: hi[key][s] / lo[key][s] if lo[key][s] > 0 else None for s in ("max", "median")}
-      for key in TIMED
+      for key in (*TIMED, *CPU)
     }
   return out
 

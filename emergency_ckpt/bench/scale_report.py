@@ -181,6 +181,18 @@ def _real_jobs(real: dict[str, Any] | None) -> list[str]:
         )
       )
       lines.append(f"| {hi} over {lo} | | {cells} | | |")
+  if all("restore_cpu_s" in real[str(n)] for n in counts):
+    cpu = "; ".join(
+      f"{n}: latest_step() {fmt_secs(real[str(n)]['latest_step_cpu_s']['median'])},"
+      f" restore() {fmt_secs(real[str(n)]['restore_cpu_s']['median'])}"
+      for n in counts
+    )
+    lines += [
+      "",
+      f"CPU per process (process time, all threads; median over processes): {cpu}. On"
+      " this machine every process shares its 2 cores, so 4x the processes cost at least"
+      " 4x the wall time where each spends the same CPU.",
+    ]
   return lines
 
 
