@@ -150,14 +150,6 @@ def slot_shards(arrays: Sequence[jax.Array], layout: Layout) -> list[list[jax.Ar
   return out
 
 
-def stage(arrays: Sequence[jax.Array], layout: Layout, buffer: np.ndarray) -> None:
-  """Copies this process's unique shards into `buffer`. Blocks on the copy.
-
-  Device-to-host transfers are all started before the first one is awaited.
-  """
-  fill(slot_shards(arrays, layout), layout, buffer)
-
-
 @functools.lru_cache(maxsize=64)
 def _copier(n: int):
   """One jitted program copying n arrays of one device (a copy, not a
@@ -165,11 +157,10 @@ def _copier(n: int):
   return jax.jit(lambda xs: [jnp.array(x, copy=True) for x in xs])
 
 
-def device_copies(arrays: Sequence[jax.Array], layout: Layout) -> list[list[jax.Array]]:
-  """A device-side copy of this process's unique shards, laid out as
-  slot_shards (one dispatched program per device). Blocks on the dispatch
-  only; raises what the dispatch raises (e.g. out of device memory)."""
-  shards = slot_shards(arrays, layout)
+def device_copies(shards: list[list[jax.Array]]) -> list[list[jax.Array]]:
+  """A device-side copy of `shards` (laid out as slot_shards), one
+  dispatched program per device. Blocks on the dispatch only; raises what
+  the dispatch raises (e.g. out of device memory)."""
   by_device: dict[Any, list[tuple[int, int]]] = {}
   for i, per_leaf in enumerate(shards):
     for j, x in enumerate(per_leaf):
@@ -230,8 +221,8 @@ def copy_into(hosts: list[list[np.ndarray]], layout: Layout, buffer: np.ndarray)
 
 
 def fill(shards: list[list[jax.Array]], layout: Layout, buffer: np.ndarray) -> None:
-  """Copies `shards` (laid out as slot_shards) into `buffer` (to_host,
-  then copy_into). Blocks on the copies."""
+  """Copies `shards` (laid out as slot_shards, e.g. this process's unique
+  shards) into `buffer` (to_host, then copy_into). Blocks on the copies."""
   copy_into(to_host(shards), layout, buffer)
 
 

@@ -177,8 +177,9 @@ class HostSnapshot:
   """Seconds the copy took (the save's stall)."""
   _area: StagingArea = dataclasses.field(repr=False)
   filled: concurrent.futures.Future | None = dataclasses.field(default=None, repr=False)
-  """Device snapshots: the background device-to-host copy into `buffer`
-  (None: the buffer was filled inside save())."""
+  """The background copy into `buffer` (from accelerators: after the DMA
+  to pinned host memory, or the whole device-to-host copy of a device
+  snapshot); None: the buffer was filled inside save()."""
 
   def wait_filled(self) -> None:
     """Blocks until `buffer` holds the step's bytes. Raises OSError if the
@@ -255,9 +256,8 @@ class StagingArea:
     self, step: int, paths: Sequence[str], arrays: Sequence[Any], reserved: tuple | None = None
   ) -> HostSnapshot:
     """Copies this process's shards into `reserved` (from reserve(), or a
-    buffer taken here). Blocks on that copy only; with a filler (device
-    snapshots), on the device-side copy only, and the buffer is filled in
-    the background (HostSnapshot.wait_filled)."""
+    buffer taken here). Blocks on that copy only, or less where the rest
+    may run in the background (_start_fill; HostSnapshot.wait_filled)."""
     t0 = time.perf_counter()
     layout, buffer = reserved if reserved is not None else self.reserve(paths, arrays)
     try:
@@ -273,22 +273,22 @@ class StagingArea:
     copy into `buffer` then runs on the filler (the host copy is the
     process's own memory: the trainer may donate the arrays at once); CPU
     shards (views of the arrays) are copied here. None: `buffer` is filled."""
-    copies = self._device_copies(step, arrays, layout)
+    shards = shards_lib.slot_shards(arrays, layout)
+    copies = self._device_copies(step, shards)
     if copies is not None:
       return self._filler.submit(shards_lib.fill, copies, layout, buffer)
-    shards = shards_lib.slot_shards(arrays, layout)
     if self._filler is None or not shards_lib.off_host(shards):
       shards_lib.fill(shards, layout, buffer)
       return None
     return self._filler.submit(shards_lib.copy_into, shards_lib.to_host(shards), layout, buffer)
 
-  def _device_copies(self, step: int, arrays: Sequence[Any], layout) -> list | None:
+  def _device_copies(self, step: int, shards: list) -> list | None:
     """The device-side copies for a device snapshot, or None to stage on the
     host (not asked for, or the device could not hold the copy)."""
     if self._filler is None or not self._device_snapshot:
       return None
     try:
-      return shards_lib.device_copies(arrays, layout)
+      return shards_lib.device_copies(shards)
     except Exception as e:  # noqa: BLE001 - e.g. out of device memory: stage on the host
       logger.warning(
         "step %d: no device memory for a device snapshot (%s); copying to the host in save()",

@@ -65,8 +65,8 @@ def test_device_copies_are_new_buffers_with_the_same_bytes(mesh):
   state = _state(mesh, 3.0)
   paths, leaves, _ = shards_lib.leaf_paths(state)
   layout = shards_lib.layout_for(paths, leaves)
-  copies = shards_lib.device_copies(leaves, layout)
   originals = shards_lib.slot_shards(leaves, layout)
+  copies = shards_lib.device_copies(originals)
   for got, orig in zip(copies, originals):
     assert len(got) == len(orig)
     for c, o in zip(got, orig):

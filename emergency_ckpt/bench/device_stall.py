@@ -267,10 +267,10 @@ def measure_bounds(trainer: Trainer, reps: int) -> dict[str, Any]:
     del fresh
     out["device_get"].append(time.perf_counter() - t0)
     t0 = time.perf_counter()
-    shards_lib.stage(leaves, layout, buffer)
+    shards_lib.fill(shards_lib.slot_shards(leaves, layout), layout, buffer)
     out["stage_reused"].append(time.perf_counter() - t0)
     t0 = time.perf_counter()
-    copies = shards_lib.device_copies(leaves, layout)
+    copies = shards_lib.device_copies(shards_lib.slot_shards(leaves, layout))
     out["device_copy_dispatch"].append(time.perf_counter() - t0)
     jax.block_until_ready(copies)
     out["device_copy"].append(time.perf_counter() - t0)
@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     "device": f"{device.platform} {device.device_kind}",
     "jax": jax.__version__,
     "state_bytes": int(sum(v.nbytes for v in trainer.state.values())),
-    "args": {k: v for k, v in vars(args).items()},
+    "args": dict(vars(args)),
     "cpu_count": os.cpu_count(),
     "bounds": measure_bounds(trainer, args.reps),
     "managers": {},
