@@ -19,7 +19,7 @@ host), `ours-device` (device_snapshot True), `orbax` (a plain
 ocp.CheckpointManager, async, on the same ramdisk): each saves every step
 to the ramdisk only; `ours-device-both-tiers` saves every step to both
 tiers (the persistent one on local disk). Bounds, same state:
-`jax.device_get` into fresh host memory, shards.stage into a reused
+`jax.device_get` into fresh host memory, shards.fill into a reused
 faulted-in buffer, the device-side copy alone, and a device_put of host
 arrays (restore's bound). Nothing here asserts a time: it prints and writes
 JSON; tests run it at a tiny size on CPU.
