@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import socket
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -379,3 +381,49 @@ def test_an_unverified_shard_is_checked_before_a_part_is_cut_and_sent_whole_as_r
     assert record["crc32c"] == recorded and shard_checksum(raw)["crc32c"] != recorded
   finally:
     server.close()
+
+
+class _Mute(peer_stream.Listener):
+  """A listener that takes a connection (token checked) and then neither
+  reads nor answers until released."""
+
+  def __init__(self):
+    self._timeout_s, self._prefix = 30, "[mute]"
+    self.release = threading.Event()
+    self._start("127.0.0.1", None)
+
+  def _handle(self, conn):
+    self.release.wait(30)
+
+
+def test_a_peer_that_stops_answering_raises_timeout_not_a_hang(tmp_path):
+  """The sockets wait in the kernel (settle: SO_RCVTIMEO, SO_SNDTIMEO), so a
+  silent peer still ends a receive, and a peer that stops reading ends a
+  sendfile, each with TimeoutError once the timeout passes."""
+  big = tmp_path / "big.bin"
+  big.write_bytes(bytes(64 << 20))  # far more than the socket buffers hold
+  mute = _Mute()
+  try:
+    with pytest.raises(TimeoutError, match="within the timeout"):
+      with peer_stream.request(mute.offer(), 0, 7, [], timeout_s=0.3):
+        pass
+    with pytest.raises(TimeoutError, match="within the timeout"):
+      peer_stream.send_file(mute.offer(), {}, str(big), 0, 64 << 20, timeout_s=0.3)
+  finally:
+    mute.release.set()
+    mute.close()
+
+
+def test_close_wakes_the_accept_thread(served):
+  """close() shuts the listening socket down, which wakes a thread blocked
+  in accept() (closing it alone leaves the thread there until its poll
+  ends: made 60 s here, so only the wake-up passes)."""
+  server, _, _ = served
+  server._sock.settimeout(60)
+  with socket.create_connection((server.host, server.port), timeout=5):
+    pass  # one accept() round, so the thread goes back into accept() with the long poll
+  time.sleep(0.3)  # lets it get there
+  closing = threading.Thread(target=server.close)
+  closing.start()
+  closing.join(10)
+  assert not closing.is_alive() and not server._thread.is_alive()

@@ -219,3 +219,34 @@ def test_xor_rebuild_reads_the_rebuilders_own_blocks_in_place(tmp_path, damaged)
     for s in servers.values():
       s.close()
   assert got.arrays[0][((0, sizes[lost] // 4),)].tobytes() == data[lost]
+
+
+def test_xor_rebuild_names_a_range_damaged_on_the_wire(tmp_path, monkeypatch):
+  """The ranges stream into the rebuilt chunks as they arrive; one flipped
+  bit on the wire fails that range's CRC32C at its end: an error naming
+  it, never a rebuilt copy."""
+  from emergency_ckpt.errors import CorruptCheckpointError  # noqa: PLC0415
+
+  k, lost = 3, 2
+  sizes = [6 * MIB + 8, 5 * MIB, 7 * MIB + 4]
+  steps = [_step(str(tmp_path / f"host_{i}"), i, n, 20 + i) for i, n in enumerate(sizes)]
+  data = [d for _, d in steps]
+  blocks = {j: xor_parity.parity(j, data) for j in range(k)}
+  monkeypatch.setattr(
+    xor.stream.failpoints, "armed", lambda name, step: name == "peer.corrupt_send"
+  )
+  servers = _range_servers(data, blocks, [0, 1])
+  try:
+    with pytest.raises(CorruptCheckpointError, match="fail their checksum on arrival"):
+      xor.rebuild(
+        7,
+        lost,
+        list(range(k)),
+        dict(enumerate(sizes)),
+        local_format.read_manifest(steps[lost][0]),
+        {i: s.offer() for i, s in servers.items()},
+        timeout_s=30,
+      )
+  finally:
+    for s in servers.values():
+      s.close()

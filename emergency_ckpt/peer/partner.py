@@ -44,7 +44,7 @@ from emergency_ckpt.peer import stream
 logger = logging.getLogger("emergency_ckpt")
 
 PARTNER_DIR = layout.PARTNER_DIR
-_CHUNK = 1 << 20  # received, summed and written while in cache
+_CHUNK = 4 << 20  # received in one call (stream.recv_some), summed and written while in cache
 
 
 def choose_partner(
@@ -203,7 +203,7 @@ def _receive_mapped(conn: socket.socket, f, nbytes: int, checks) -> None:
       pos = 0
       while pos < nbytes:
         view = whole[pos : min(nbytes, pos + _CHUNK)]
-        n = conn.recv_into(view)
+        n = stream.recv_some(conn, view)
         if not n:
           raise ConnectionError(f"connection closed with {nbytes - pos} of {nbytes} bytes to go")
         checks.update(pos, view[:n])
@@ -219,7 +219,7 @@ def _receive(conn: socket.socket, f, nbytes: int, checks: local_format.StreamChe
   view = memoryview(bytearray(min(_CHUNK, max(nbytes, 1))))
   pos = 0
   while pos < nbytes:
-    n = conn.recv_into(view[: min(len(view), nbytes - pos)])
+    n = stream.recv_some(conn, view[: min(len(view), nbytes - pos)])
     if not n:
       raise ConnectionError(f"connection closed with {nbytes - pos} of {nbytes} bytes to go")
     checks.update(pos, view[:n])

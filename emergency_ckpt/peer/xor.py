@@ -14,8 +14,9 @@ protected once all its chunks are in durable parity blocks.
 
 Restore: a member whose copy is lost is rebuilt by the first surviving
 member of its group (in group order), which pulls the parity blocks and
-the other chunks from the survivors (RangeServer), XORs them, and checks
-every rebuilt shard against the CRC32C in the lost member's manifest; it
+the other chunks from the survivors (RangeServer), XORs them in as they
+arrive (and the blocks it holds itself, read in place), and checks every
+rebuilt shard against the CRC32C in the lost member's manifest; it
 then serves the rebuilt copy like any other (reshard_stream.py,
 `r.source == "parity"`).
 
@@ -41,7 +42,7 @@ import numpy as np
 from emergency_ckpt import layout, local_format, local_read
 from emergency_ckpt import xor_parity as xp
 from emergency_ckpt.errors import CorruptCheckpointError, PeerTransferError
-from emergency_ckpt.local_format import LocalStep, checksum_ok, shard_checksum
+from emergency_ckpt.local_format import LocalStep, shard_checksum
 from emergency_ckpt.peer import stream
 
 logger = logging.getLogger("emergency_ckpt")
@@ -49,7 +50,7 @@ logger = logging.getLogger("emergency_ckpt")
 XOR_DIR = layout.XOR_DIR
 PARITY_FILE = "parity.bin"
 GROUP_FILE = "group.json"
-_PIECE = 1 << 20  # received and XORed while in cache
+_PIECE = 4 << 20  # received in one call (stream.recv_some), XORed while in cache
 
 
 def xor_dir(process_dir: str) -> str:
@@ -151,7 +152,7 @@ class ParityReceiver(stream.Listener):
     pos = 0
     try:
       while pos < length:
-        n = conn.recv_into(view[: min(len(view), length - pos)])
+        n = stream.recv_some(conn, view[: min(len(view), length - pos)])
         if not n:
           raise ConnectionError(f"connection closed after {pos} of {length} bytes")
         with pending.lock:
@@ -305,26 +306,60 @@ class RangeServer(stream.Server):
     return {"shards": records}, views, [None] * len(views)
 
 
-def _fetch(offer: dict, holder: int, step: int, ranges: list, *, timeout_s: float) -> list:
-  """The byte ranges [[process, kind, offset, length]] from a RangeServer."""
+class _Target:
+  """The bytes of the lost member being rebuilt, one lock per chunk: every
+  source of a chunk (its parity block and the other chunks in it) is XORed
+  into it as it arrives, from whichever thread received it."""
+
+  def __init__(self, nbytes: int, k: int):
+    self.out = np.zeros(nbytes, np.uint8)
+    self.chunks = [
+      self.out[off : off + n] for off, n in (xp.chunk(nbytes, k, t) for t in range(k - 1))
+    ]
+    self._locks = [threading.Lock() for _ in self.chunks]
+
+  def xor(self, t: int, pos: int, data: np.ndarray) -> None:
+    with self._locks[t]:
+      xp.xor_into(self.chunks[t][pos:], data)
+
+
+def _fetch(
+  offer: dict,
+  holder: int,
+  step: int,
+  ranges: list,
+  into: list,
+  target: _Target,
+  *,
+  timeout_s: float,
+) -> None:
+  """Receives the byte ranges [[process, kind, offset, length]] from a
+  RangeServer, each XORed into the rebuilt chunk `into[n]` names piece by
+  piece as it arrives (in cache), its CRC32C computed on the way and
+  compared with the server's at its end."""
   if "error" in offer:
     raise PeerTransferError(f"process {holder} cannot serve: {offer['error']}")
-  out = []
+  piece = np.empty(_PIECE, np.uint8)
   with stream.connect(offer, timeout_s=timeout_s) as sock:
     stream._send_json(sock, {"step": step, "ranges": ranges})  # noqa: SLF001
     reply = stream._recv_json(sock)  # noqa: SLF001
     if "error" in reply:
       raise PeerTransferError(f"process {holder} refused: {reply['error']}")
-    for (process, kind, offset, length), record in zip(ranges, reply["shards"]):
-      buf = np.empty(length, np.uint8)
-      stream.recv_into(sock, buf)
-      if record.get("nbytes") != length or not checksum_ok(buf, record):
+    for (process, kind, offset, length), record, t in zip(ranges, reply["shards"], into):
+      if record.get("nbytes") != length or "crc32c" not in record:
+        raise PeerTransferError(f"process {holder} answered {record} for {length} bytes")
+      crc, pos = 0, 0
+      while pos < length:
+        n = min(_PIECE, length - pos)
+        stream.recv_into(sock, piece[:n])
+        crc = crc32c.crc32c(piece[:n], crc)
+        target.xor(t, pos, piece[:n])
+        pos += n
+      if crc != record["crc32c"]:
         raise CorruptCheckpointError(
           f"{kind} bytes {offset}+{length} of saved process {process} from process"
           f" {holder} fail their checksum on arrival"
         )
-      out.append(buf)
-  return out
 
 
 def rebuild(
@@ -344,50 +379,54 @@ def rebuild(
   `sizes`: every member's shards.bin bytes. `here`: {(saved process,
   "data" | "parity"): bytes} this process holds, read in place rather than
   fetched (unchecked on their own: a bad byte fails the rebuilt shard's
-  CRC32C). Raises PeerTransferError, CorruptCheckpointError or OSError."""
+  CRC32C). Only the bytes a rebuilt chunk covers are read (a parity block
+  or another member's chunk may be longer); the ranges fetched stream
+  into the rebuilt chunks as they arrive, from every holder at once, while
+  this thread XORs in the bytes held here. Raises PeerTransferError,
+  CorruptCheckpointError or OSError."""
   k = len(group)
   m = list(group).index(lost)
-  plan = xp.rebuild_sources(m, k)
-  plen = {j: xp.block_length([sizes[i] for i in range(k)], j) for j in range(k)}
+  target = _Target(sizes[m], k)
   here = here or {}
-  requests: dict[int, list] = {}
-  got: dict[int, dict] = {}
-
-  def need(process: int, kind: str, off: int, length: int) -> None:
-    buf = here.get((process, kind))
-    if buf is not None and off + length <= len(buf):
-      got.setdefault(process, {})[_key([process, kind, off, length])] = buf[off : off + length]
-    else:
-      requests.setdefault(process, []).append([process, kind, off, length])
-
-  for j, others in plan:
-    need(group[j], "parity", 0, plen[j])
-    for i, ti in others:
-      need(group[i], "data", *xp.chunk(sizes[i], k, ti))
-  if requests:
-    with concurrent.futures.ThreadPoolExecutor(len(requests), "ec-xor-fetch") as pool:
-      futures = {
-        p: pool.submit(
-          _fetch, offers.get(p) or {"error": "no address"}, p, step, r, timeout_s=timeout_s
-        )
-        for p, r in requests.items()
-      }
-      for p, f in futures.items():
-        got.setdefault(p, {}).update(zip(map(_key, requests[p]), f.result()))
-  out = np.zeros(sizes[m], np.uint8)
-  for t, (j, others) in enumerate(plan):
-    acc = got[group[j]][_key([group[j], "parity", 0, plen[j]])].copy()
+  requests: dict[int, tuple[list, list]] = {}  # holder: (ranges, the chunk each goes into)
+  local: list[tuple[int, np.ndarray]] = []
+  for t, (j, others) in enumerate(xp.rebuild_sources(m, k)):
+    want = len(target.chunks[t])
+    sources = [(group[j], "parity", 0, want)]
     for i, ti in others:
       off, length = xp.chunk(sizes[i], k, ti)
-      xp.xor_into(acc, got[group[i]][_key([group[i], "data", off, length])])
-    off, length = xp.chunk(sizes[m], k, t)
-    out[off : off + length] = acc[:length]
+      sources.append((group[i], "data", off, min(length, want)))
+    for process, kind, off, length in sources:
+      buf = here.get((process, kind))
+      if buf is not None and off + length <= len(buf):
+        local.append((t, buf[off : off + length]))
+      elif length:
+        ranges, into = requests.setdefault(process, ([], []))
+        ranges.append([process, kind, off, length])
+        into.append(t)
+  pool = concurrent.futures.ThreadPoolExecutor(max(1, len(requests)), "ec-xor-fetch")
+  try:
+    futures = [
+      pool.submit(
+        _fetch,
+        offers.get(p) or {"error": "no address"},
+        p,
+        step,
+        r,
+        into,
+        target,
+        timeout_s=timeout_s,
+      )
+      for p, (r, into) in requests.items()
+    ]
+    for t, data in local:
+      target.xor(t, 0, data)
+    for f in futures:
+      f.result()
+  finally:
+    pool.shutdown(wait=True, cancel_futures=True)
   where = f"step {step} of process {lost} rebuilt from parity"
-  return LocalStep(step, manifest, local_read.verify_buffer(manifest, out, where))
-
-
-def _key(item) -> tuple:
-  return tuple(item)
+  return LocalStep(step, manifest, local_read.verify_buffer(manifest, target.out, where))
 
 
 def mapped(path: str) -> np.ndarray:
