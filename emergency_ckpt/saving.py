@@ -273,7 +273,8 @@ class SavePipeline:
       except Exception as e:
         self.durable(step, "state", None, f"{type(e).__name__}: {e}")
         raise
-      self._collectives.count(f"state_written_{step}")  # the primary's commit hint
+      # the primary's commit hint; the last writer wakes its wait
+      self._collectives.count(f"state_written_{step}", self._topology.process_count)
       self.durable(step, "state", None)
 
     write = self._background.submit("state-write", write_state)

@@ -531,7 +531,7 @@ class Collectives:
 
   def forget(self, *, signal: str | None = None, count: str | None = None) -> None:
     """Deletes signal `signal` and/or counter `count` from the coordination
-    service (one call each), once nobody needs them: per-step hints would
+    service (one call per key), once nobody needs them: per-step hints would
     otherwise pile up for the whole job. A failure is logged, not raised.
     Called by: the one process that owns them (the primary)."""
     if self._client is None:
@@ -539,6 +539,7 @@ class Collectives:
     for key in (
       self._signal_key(signal) if signal else None,
       self._count_key(count) if count else None,
+      self._reached_key(count) if count else None,
     ):
       if key is None:
         continue
@@ -550,28 +551,32 @@ class Collectives:
   def _count_key(self, name: str) -> str:
     return f"emergency_ckpt/{self._namespace}/count/{name}"
 
-  def count(self, name: str) -> None:
+  def count(self, name: str, target: int | None = None) -> None:
     """Adds one to the job-wide counter `name`: a hint, like signal() (e.g.
     "my state file of step N is written"; readers still check storage).
-    Called by: any process. One call to the coordination service; a failure
+    The process whose addition makes it `target` also raises the counter's
+    "reached" flag, which wakes wait_count at once. Called by: any process.
+    One call to the coordination service (two for that last one); a failure
     is logged, not raised. A no-op in single-process jobs."""
     if self._client is None:
       return
     try:
-      self._client.key_value_increment(self._count_key(name), 1)
+      if self._client.key_value_increment(self._count_key(name), 1) == target:
+        self._client.key_value_set(self._reached_key(name), "1")
     except Exception as e:  # noqa: BLE001 - the service is gone: storage still decides
       logger.debug("%s count %r not raised: %s", self._topology.log_prefix(), name, e)
 
   def wait_count(self, name: str, target: int, *, timeout_s: float, poll_s: float = 0.5) -> bool:
     """True once counter `name` reached `target` (at once in single-process
     jobs: nobody counts there); False after `timeout_s`. Called by: one
-    process. Polls the counter (one call each), 5 ms at first, backing off to
-    `poll_s`."""
+    process. Reads the counter, then blocks on its "reached" flag (raised by
+    count(name, target) of the last process: no polling delay), reading the
+    counter again every `poll_s` in case nobody raises it (counts without a
+    target): one call, plus two per `poll_s` of waiting."""
     if self._client is None:
       return True
-    key = self._count_key(name)
+    key, reached = self._count_key(name), self._reached_key(name)
     deadline = time.monotonic() + timeout_s
-    wait = 0.005
     while True:
       try:
         if self._client.key_value_increment(key, 0) >= target:
@@ -582,8 +587,17 @@ class Collectives:
       left = deadline - time.monotonic()
       if left <= 0:
         return False
-      time.sleep(min(wait, left))
-      wait = min(wait * 2, poll_s)
+      wait = min(left, poll_s)
+      t0 = time.monotonic()
+      try:
+        self._client.blocking_key_value_get(reached, max(1, int(wait * 1000)))
+        return True
+      except Exception:  # noqa: BLE001 - a timeout (or the service is going away)
+        if time.monotonic() - t0 < wait / 2:  # failed at once: do not spin
+          time.sleep(wait)
+
+  def _reached_key(self, name: str) -> str:
+    return f"{self._count_key(name)}/reached"
 
   def wait_signal(
     self, name: str, *, timeout_s: float, stop: threading.Event, poll_s: float = 1.0

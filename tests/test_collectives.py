@@ -91,6 +91,30 @@ def test_the_commit_counter_reaches_its_target(job):
   assert sum(counted[3].calls.values()) == 1  # one call per process per step
 
 
+def test_the_last_count_wakes_the_waiting_primary_without_polling(job):
+  """count(name, target): the process that brings the counter to its target
+  raises the "reached" flag; the primary's wait_count blocks on it (one
+  blocking get per poll_s), so a wait of a second costs it a few calls, not
+  a poll every few milliseconds."""
+  import threading  # noqa: PLC0415
+  import time  # noqa: PLC0415
+
+  cols, counted = job
+  primary, got = cols[0], []
+  waiter = threading.Thread(
+    target=lambda: got.append(primary.wait_count("written_9", 6, timeout_s=30, poll_s=10))
+  )
+  waiter.start()
+  time.sleep(1.0)  # the primary waits before anyone counts
+  _all(cols[:5], lambda c: c.count("written_9", 6))
+  assert not got
+  cols[5].count("written_9", 6)  # the last: raises the flag
+  waiter.join(20)
+  assert got == [True]
+  calls = _calls(counted)
+  assert calls == [3, 1, 1, 1, 1, 2], calls  # primary: its count, one read, one blocking get
+
+
 def _calls(counted) -> list[int]:
   out = [sum(c.calls.values()) for c in counted]
   for c in counted:

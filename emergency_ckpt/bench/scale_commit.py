@@ -32,16 +32,30 @@ PAGE = 1000  # objects per listing page that gcsfs asks GCS for (GCS's maximum)
 
 
 class _CounterService:
-  """The coordination service's key_value_increment, in process (thread-safe)."""
+  """The coordination service's key_value_increment, key_value_set and
+  blocking_key_value_get (what Collectives.count / wait_count call), in
+  process (thread-safe)."""
 
   def __init__(self):
-    self._lock = threading.Lock()
+    self._cond = threading.Condition()
     self._values: Counter[str] = Counter()
+    self._keys: dict[str, str] = {}
 
   def key_value_increment(self, key: str, delta: int) -> int:
-    with self._lock:
+    with self._cond:
       self._values[key] += delta
       return self._values[key]
+
+  def key_value_set(self, key: str, value: str) -> None:
+    with self._cond:
+      self._keys[key] = value
+      self._cond.notify_all()
+
+  def blocking_key_value_get(self, key: str, timeout_ms: int) -> str:
+    with self._cond:
+      if not self._cond.wait_for(lambda: key in self._keys, timeout_ms / 1000):
+        raise TimeoutError(f"{key} not set within {timeout_ms} ms")
+      return self._keys[key]
 
 
 def _collectives(k: int, index: int, service: _CounterService):
@@ -212,7 +226,7 @@ def _measure(k: int, steps: int, bucket_url: str, server_url: str, proxy, timeou
       started[i] = time.monotonic()
       stores[i].write(step, {"iterator": {"position": step * k + i}, "process": i})
       written[i] = time.monotonic()
-      colls[i].count(key)
+      colls[i].count(key, k)
       if i == 0:
         primary["ok"] = stores[0].commit(step, timeout_s=timeout_s, written=hint)
         primary["done"] = time.monotonic()

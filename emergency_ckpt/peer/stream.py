@@ -78,7 +78,7 @@ def settle(sock: socket.socket, timeout_s: float) -> None:
   timeout and 1 MiB receives, 0.17-0.27 s this way with 4-16 MiB ones).
   A wait longer than `timeout_s` raises TimeoutError (recv_some) or
   OSError."""
-  secs = max(0.001, float(timeout_s))
+  secs = min(max(0.001, float(timeout_s)), 1e9)  # an endless timeout: 31 years
   tv = struct.pack("@ll", int(secs), int((secs - int(secs)) * 1e6))
   sock.settimeout(None)
   sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
