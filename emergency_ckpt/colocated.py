@@ -15,7 +15,8 @@ holds it. No network, no collective: a flock on a file of the machine's
 /dev/shm (or its temp directory), in a per-user 0700 folder
 (emergency_ckpt-<uid>/<job>.staging, <job> a digest of the JAX coordinator's
 address: other jobs on the machine, even of the same run, never wait on
-this one; removed at close when no process holds it). save() never blocks here: it takes the shared lock without waiting
+this one; removed at close when no process holds it, and by a later job's
+open once a day old and unlocked, if its job died). save() never blocks here: it takes the shared lock without waiting
 and goes on without it if it cannot. A folder or file that is not this
 user's own is never used (coordination is off, with a debug log): another
 user cannot make a save wait.
@@ -72,6 +73,36 @@ def _open_own(path: str) -> int | None:
   return fd
 
 
+STALE_S = 24 * 3600.0  # a lock file untouched this long, and unlocked, is a dead job's
+
+
+def _sweep(folder: str, keep: str) -> None:
+  """Removes other jobs' lock files that no process has locked and that
+  were last modified STALE_S ago or more: a job whose processes were killed
+  (or never closed their manager) leaves its file behind. A job still
+  running keeps its coordination through the files its processes hold
+  open; only a process that opens its lock later would start another."""
+  now = time.time()
+  for name in os.listdir(folder):
+    path = os.path.join(folder, name)
+    if not name.endswith(".staging") or path == keep:
+      continue
+    try:
+      st = os.lstat(path)
+      if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or now - st.st_mtime < STALE_S:
+        continue
+      fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+      continue
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      os.unlink(path)
+    except OSError:  # locked now (staging), or gone
+      pass
+    finally:
+      os.close(fd)
+
+
 class StagingWindow:
   """This process's view of the machine-wide staging window of one run.
 
@@ -86,6 +117,7 @@ class StagingWindow:
     self.path = os.path.join(folder, f"{job}.staging")
     self._holder = self._waiter = None
     if job is not None and _own_private_dir(folder):
+      _sweep(folder, self.path)
       self._holder = _open_own(self.path)  # shared while staging
       self._waiter = _open_own(self.path) if self._holder is not None else None
 

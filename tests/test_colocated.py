@@ -151,3 +151,29 @@ def test_job_key_is_shared_by_one_job_only(monkeypatch):
   assert first is not None and first == topology.job_key()
   monkeypatch.setattr(state, "coordinator_address", "10.0.0.1:1235", raising=False)
   assert topology.job_key() != first
+
+
+def test_a_dead_jobs_lock_file_is_swept_a_live_or_recent_one_kept(tmp_path):
+  """A killed job leaves its <job>.staging behind; the next job's open
+  removes such files once STALE_S old and unlocked, never one that a
+  process has locked, a recent one, or its own."""
+  import fcntl  # noqa: PLC0415
+
+  from emergency_ckpt import colocated  # noqa: PLC0415
+
+  folder = tmp_path / f"emergency_ckpt-{os.geteuid()}"
+  folder.mkdir(mode=0o700)
+  old = time.time() - colocated.STALE_S - 60
+  for name in ("dead", "locked", "recent"):
+    (folder / f"{name}.staging").write_text("")
+  for name in ("dead", "locked"):
+    os.utime(folder / f"{name}.staging", (old, old))
+  held = os.open(folder / "locked.staging", os.O_RDWR)
+  fcntl.flock(held, fcntl.LOCK_SH)
+  try:
+    w = StagingWindow("new", directory=str(tmp_path))
+    assert w.enabled
+    assert sorted(os.listdir(folder)) == ["locked.staging", "new.staging", "recent.staging"]
+    w.close()
+  finally:
+    os.close(held)
