@@ -539,7 +539,7 @@ class Collectives:
     for key in (
       self._signal_key(signal) if signal else None,
       self._count_key(count) if count else None,
-      self._reached_key(count) if count else None,
+      self._signal_key(_reached(count)) if count else None,
     ):
       if key is None:
         continue
@@ -555,27 +555,29 @@ class Collectives:
     """Adds one to the job-wide counter `name`: a hint, like signal() (e.g.
     "my state file of step N is written"; readers still check storage).
     The process whose addition makes it `target` also raises the counter's
-    "reached" flag, which wakes wait_count at once. Called by: any process.
+    "reached" signal, which wakes wait_count at once. Called by: any process.
     One call to the coordination service (two for that last one); a failure
     is logged, not raised. A no-op in single-process jobs."""
     if self._client is None:
       return
     try:
-      if self._client.key_value_increment(self._count_key(name), 1) == target:
-        self._client.key_value_set(self._reached_key(name), "1")
+      reached = self._client.key_value_increment(self._count_key(name), 1) == target
     except Exception as e:  # noqa: BLE001 - the service is gone: storage still decides
       logger.debug("%s count %r not raised: %s", self._topology.log_prefix(), name, e)
+      return
+    if reached:
+      self.signal(_reached(name))
 
   def wait_count(self, name: str, target: int, *, timeout_s: float, poll_s: float = 0.5) -> bool:
     """True once counter `name` reached `target` (at once in single-process
     jobs: nobody counts there); False after `timeout_s`. Called by: one
-    process. Reads the counter, then blocks on its "reached" flag (raised by
-    count(name, target) of the last process: no polling delay), reading the
-    counter again every `poll_s` in case nobody raises it (counts without a
-    target): one call, plus two per `poll_s` of waiting."""
+    process. Reads the counter, then waits for its "reached" signal (raised
+    by count(name, target) of the last process: no polling delay), reading
+    the counter again every `poll_s` in case nobody raises it (counts
+    without a target): one call, plus two per `poll_s` of waiting."""
     if self._client is None:
       return True
-    key, reached = self._count_key(name), self._reached_key(name)
+    key, never = self._count_key(name), threading.Event()
     deadline = time.monotonic() + timeout_s
     while True:
       try:
@@ -588,16 +590,8 @@ class Collectives:
       if left <= 0:
         return False
       wait = min(left, poll_s)
-      t0 = time.monotonic()
-      try:
-        self._client.blocking_key_value_get(reached, max(1, int(wait * 1000)))
+      if self.wait_signal(_reached(name), timeout_s=wait, stop=never, poll_s=wait):
         return True
-      except Exception:  # noqa: BLE001 - a timeout (or the service is going away)
-        if time.monotonic() - t0 < wait / 2:  # failed at once: do not spin
-          time.sleep(wait)
-
-  def _reached_key(self, name: str) -> str:
-    return f"{self._count_key(name)}/reached"
 
   def wait_signal(
     self, name: str, *, timeout_s: float, stop: threading.Event, poll_s: float = 1.0
@@ -623,6 +617,11 @@ class Collectives:
         if time.monotonic() - t0 < wait_s / 2:  # failed at once: do not spin
           stop.wait(wait_s)
     return False
+
+
+def _reached(count: str) -> str:
+  """The signal that counter `count` reached its target (count(), wait_count)."""
+  return f"{count}.reached"
 
 
 def _span(procs: Sequence[int]) -> str:
