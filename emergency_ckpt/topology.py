@@ -210,9 +210,9 @@ class Collectives:
   What each costs one process, in calls to the coordination service (N
   processes, S slices), and what it receives:
   - exchange: 3 calls; every process's value (N values: for small groups);
-  - gather_tree: 4 calls (a slice's first process 6, the primary 7); one
-    job-wide summary (each slice's first process reads its slice's values,
-    the primary reads S slice summaries);
+  - gather_tree: 3 calls (a slice's first process 6, the last of them 7,
+    the primary 2 more); one job-wide summary (each slice's first process
+    reads its slice's values, the primary reads S slice summaries);
   - gather_sparse: 3 calls (2 with nothing to say); only the values that
     were not None (e.g. errors);
   - exchange_some: 1 call + 1 per process wanted; those processes' values;
@@ -221,7 +221,8 @@ class Collectives:
   - broadcast: 1 call; one value;
   - barrier: 2 calls; nothing.
   Keys of finished exchanges are deleted by the primary process after the
-  next job-wide barrier (every process has read them by then): one call.
+  next job-wide barrier or gather_tree (every process has read them by
+  then): one call.
   """
 
   def __init__(self, topology: Topology, *, namespace: str, timeout_s: float, client: Any = None):
@@ -376,8 +377,13 @@ class Collectives:
     `per_slice(slice, {process: value})`; the primary reads the S slice
     summaries and publishes `combine({slice: summary})`, which every process
     returns. Nobody receives every process's value (what made exchanges
-    O(N^2) bytes on the service). Blocks until every process arrives, up to
-    twice `timeout_s`. Called by: every process."""
+    O(N^2) bytes on the service), and there is no job-wide barrier: a
+    slice's first process adds one to the exchange's counter after
+    publishing, the one that completes it raises a flag, and the primary
+    (blocked on that flag) reads the summaries; every other process blocks
+    on the job summary alone. One wave of wake-ups per level, not two.
+    Blocks until every process arrives, up to twice `timeout_s`; the error
+    names the processes that never arrived. Called by: every process."""
     topo = self._topology
     me, s = topo.process_index, topo.slice_index
     encoded = json.dumps(payload, sort_keys=True)
@@ -391,9 +397,10 @@ class Collectives:
     if me == procs[0]:
       values = {p: json.loads(v) for p, v in self._values(f"{key}/s/{s}/").items()}
       self._client.key_value_set(f"{key}/sum/{s}", json.dumps(per_slice(s, values)))
-    every = range(topo.process_count)
-    self._wait(name, key, f"{key}/all", every, f"{key}/s/", timeout_s)
+      if self._client.key_value_increment(f"{key}/n", 1) == topo.num_slices:
+        self._client.key_value_set(f"{key}/done", "")
     if topo.is_primary_process:
+      self._tree_get(name, key, f"{key}/done", timeout_s)
       summaries = {
         int(k.rsplit("/", 1)[-1]): json.loads(v)
         for k, v in self._client.key_value_dir_get(f"{key}/sum/")
@@ -401,8 +408,43 @@ class Collectives:
       encoded = json.dumps(combine(summaries))
       self._client.key_value_set(f"{key}/job", encoded)
     else:
-      encoded = self._get(name, f"{key}/job", topo.primary_process, timeout_s)
+      encoded = self._tree_get(name, key, f"{key}/job", timeout_s)
+    # Every slice summary is in, so every process has come this far and
+    # finished reading the exchanges before this one: the primary may
+    # delete their keys (what a job-wide barrier does elsewhere).
+    self._passed_all(key)
     return json.loads(encoded)
+
+  def _tree_get(self, name: str, key: str, wanted: str, timeout_s: float | None) -> str:
+    """Blocks on gather_tree `key`'s `wanted` value; on timeout raises the
+    error naming the processes that set no value (one directory get of
+    every process's key, on this failure path only)."""
+    timeout_s = self._timeout_s if timeout_s is None else timeout_s
+    try:
+      return self._client.blocking_key_value_get(wanted, max(1, int(timeout_s * 1000)))
+    except Exception:  # noqa: BLE001 - the client raises a generic error on timeout
+      pass
+    topo = self._topology
+    try:
+      got = self._values(f"{key}/s/")
+    except Exception:  # noqa: BLE001 - the service itself is gone: say so below
+      got = {}
+    missing = [p for p in range(topo.process_count) if p not in got]
+    if not missing and wanted.endswith("/job"):  # all arrived: the primary stalled
+      missing = [topo.primary_process]
+    elif not missing:  # all arrived: a slice's first process stalled
+      try:
+        done = {int(k.rsplit("/", 1)[-1]) for k, _ in self._client.key_value_dir_get(f"{key}/sum/")}
+      except Exception:  # noqa: BLE001 - the service itself is gone
+        done = set()
+      missing = [procs[0] for i, procs in enumerate(topo.slice_processes) if i not in done]
+    raise CollectiveTimeoutError(
+      f"{topo.log_prefix()} exchange {name!r} timed out after"
+      f" {timeout_s:.0f}s waiting for processes {_span(missing)} (of"
+      f" {_span(range(topo.process_count))}); they may be hung, stopped or"
+      " dead. Check their logs, then restart the job; raise"
+      " collective_timeout_s if they are only slow."
+    ) from None
 
   def _get(self, name: str, key: str, source: int, timeout_s: float | None) -> str:
     """The value of `key`, set (or to be set) by process `source`."""

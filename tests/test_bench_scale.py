@@ -52,9 +52,10 @@ def test_scale_benchmark_tiny(tmp_path):
       assert p["workers"] == 2 and "2 worker processes" in p["mode"], p
       assert p["service_cpu_s"] > 0 and p["cpu_total_s_per_process"] > 0, p
   for p in tree:  # the library's inventory exchange: a gather_tree
-    # a plain process: set, slice barrier, job barrier, one get; the primary
-    # at most 8 (it also reads its slice and the summaries, sets two, deletes)
-    assert p["calls_per_process_min"] == 4 and p["calls_per_process_max"] <= 8, p
+    # a plain process: set, slice barrier, one blocking get; the primary at
+    # most 10 (it also reads its slice, sets its summary, counts, may raise
+    # the flag, waits on it, reads the summaries, sets the job's, deletes)
+    assert p["calls_per_process_min"] == 3 and p["calls_per_process_max"] <= 10, p
     assert p["wall_s"] > 0 and len(p["wall_s_reps"]) == 1
     assert 150 <= p["payload_bytes_mean"] <= 400
   assert stages["exchange"]["calls_constant"]
@@ -106,7 +107,7 @@ def test_exchange_one_interpreter():
   tree = got["exchange"]
   assert tree["workers"] == 1 and "one interpreter" in tree["mode"]
   assert tree["service_cpu_s"] is None and tree["cpu_total_s_per_process"] > 0
-  assert tree["calls_per_process_min"] == 4 and tree["calls_per_process_max"] <= 8
+  assert tree["calls_per_process_min"] == 3 and tree["calls_per_process_max"] <= 10
   assert got["exchange_old"]["calls_per_process_min"] == 5
 
 

@@ -139,9 +139,13 @@ def test_gather_tree_gives_everyone_one_summary_and_nobody_every_value(job):
 
   got = _all(cols, run)
   assert got == [[[0, 3, 3], [1, 12, 3]]] * 6
-  # a plain process: set, slice barrier, job barrier, one get; a slice's first
-  # process also reads its slice and sets its summary; the primary combines.
-  assert _calls(counted) == [7, 4, 4, 6, 4, 4]
+  # a plain process: set, slice barrier, one blocking get of the job summary
+  # (no job-wide barrier); a slice's first process also reads its slice,
+  # sets its summary and counts it (the last to count raises the flag); the
+  # primary waits on that flag, reads the summaries and sets the job's.
+  calls = _calls(counted)
+  assert calls[1:3] == calls[4:] == [3, 3], calls
+  assert (calls[0], calls[3]) in ((9, 6), (8, 7)), calls
   for c in counted:
     assert c.bytes_received < 3000  # at most its own slice's values, never all six
   # the next job-wide barrier lets the primary delete the finished exchange's keys
@@ -149,6 +153,12 @@ def test_gather_tree_gives_everyone_one_summary_and_nobody_every_value(job):
   assert _calls(counted) == [3] + [2] * 5
   left = [k for k, _ in counted[0].key_value_dir_get("emergency_ckpt/t/")]
   assert left and all("/next/" in k for k in left), left
+  # so does the next gather_tree, once every slice's summary is in
+  got = _all(cols, run)
+  assert got == [[[0, 3, 3], [1, 12, 3]]] * 6
+  assert counted[0].calls["key_value_delete"] == 1
+  left = [k for k, _ in counted[0].key_value_dir_get("emergency_ckpt/t/")]
+  assert left and all("/inv/1/" in k for k in left), left  # the first (inv/0) and next: gone
 
 
 def test_gather_sparse_sends_only_what_is_not_none(job):
@@ -197,6 +207,25 @@ def test_gather_tree_timeout_names_the_missing_processes(job):
         "late", 1, per_slice=lambda s, v: len(v), combine=lambda s: s, timeout_s=5
       ),
     )
+
+
+def test_gather_tree_timeout_names_a_stalled_primary(job):
+  """Everyone arrived but the primary never published the job summary: the
+  others' error names the primary, not a process that came."""
+  cols, _ = job
+
+  def combine(sums):
+    raise RuntimeError("stalled")  # only the primary combines
+
+  def run(c):
+    return c.gather_tree("stall", 1, per_slice=lambda s, v: len(v), combine=combine, timeout_s=2)
+
+  with concurrent.futures.ThreadPoolExecutor(6) as pool:
+    futures = [pool.submit(run, c) for c in cols]
+    errors = [f.exception() for f in futures]
+  assert isinstance(errors[0], RuntimeError), errors
+  for e in errors[1:]:
+    assert isinstance(e, CollectiveTimeoutError) and "processes [0]" in str(e), e
 
 
 def test_forget_deletes_a_steps_hints(job):

@@ -91,7 +91,7 @@ DEFAULT_ALLGATHER_MAX_K = 1024
 DEFAULT_REAL_PROCESSES = (16, 64)
 DEFAULT_COMMIT_KS = (16, 64, 256, 1024)
 COMMIT_TARGET_S = 10.0  # last write to COMMIT at 1,024 writers
-TREE_CALLS = (4, 8)  # gather_tree's calls per process (fewest, most), whatever K
+TREE_CALLS = (3, 10)  # gather_tree's calls per process (fewest, most), whatever K
 
 _T0 = time.monotonic()
 
