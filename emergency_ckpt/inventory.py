@@ -61,18 +61,24 @@ class Inventory:
   def exchange(self, name: str) -> restore_plan.JobInventory:
     """The job's inventory, summarised. Called by: every process."""
     topo = self._topology
-    if not self._placement_checked:
-      # First: it also tells the local tier which processes share this
-      # machine, whose folders are live (never taken as copies).
-      self._check_placement()
+    first = not self._placement_checked
+    # First: the machine's processes; it also tells the local tier whose
+    # folders are live (never taken as copies).
+    report = self._group_machine() if first else None
     local, rejected = self._local.usable_steps()
+    state_steps = uncommitted = None
+    if topo.is_primary_process:  # one listing of the state store's root
+      listed = self._state.listed_steps()
+      state_steps = self._state.committed_steps(listed)
+      uncommitted = sorted(set(listed) - set(state_steps))
     inv = restore_plan.Inventory(
       process=topo.process_index,
       slice=topo.slice_index,
       local_steps=tuple(local),
       local_rejected=rejected,
       persistent_steps=tuple(self._persistent.steps()) if topo.is_primary_process else None,
-      state_steps=tuple(self._state.committed_steps()) if topo.is_primary_process else None,
+      state_steps=None if state_steps is None else tuple(state_steps),
+      state_uncommitted=None if uncommitted is None else tuple(uncommitted),
       copies={
         step: [c.to_json() for _, c in found.values()]
         for step, found in self._local.copies().items()
@@ -80,30 +86,38 @@ class Inventory:
       parity={
         step: [b.to_json() for b in found.values()] for step, found in self._local.parity().items()
       },
+      placement=report,
     )
-    return gather(self._collectives, inv, name)
+    job = gather(self._collectives, inv, name)
+    if first and topo.num_slices > 1:
+      self._judge_placement(job)
+    return job
 
-  def _check_placement(self) -> None:
-    """Once per manager: does any machine run processes of two slices? The
-    processes of each machine compare slices; the first of a shared machine
-    reports it (so everyone receives only the problems). Even with one slice
-    the machine's processes are found: their folders are live, never taken
-    as copies (local_tier.set_colocated)."""
+  def _group_machine(self) -> dict | None:
+    """Once per manager, before the first inventory: the processes of each
+    machine compare slices (one group_by), and even with one slice they are
+    found: their folders are live, never taken as copies
+    (local_tier.set_colocated). Returns this process's report, riding on
+    the inventory exchange, if it is the first of a machine that runs
+    processes of two slices (so everyone receives only the problems, and
+    no second exchange is needed)."""
     self._placement_checked = True
     topo = self._topology
     mine = self._collectives.group_by("placement_hosts", self._host, topo.slice_index)
     self._local.set_colocated(mine)
-    if topo.num_slices == 1:
-      return
-    report = None
-    if len(set(mine.values())) > 1 and topo.process_index == min(mine):
-      report = {"host": self._host, "processes": sorted(mine)}
-    found = self._collectives.gather_sparse("placement", report)
-    hosts = {p: rep["host"] for rep in found.values() for p in rep["processes"]}
+    if topo.num_slices > 1 and len(set(mine.values())) > 1 and topo.process_index == min(mine):
+      return {"host": self._host, "processes": sorted(mine)}
+    return None
+
+  def _judge_placement(self, job: restore_plan.JobInventory) -> None:
+    """Does any machine run processes of two slices? From the reports in
+    the first job summary (the first REJECTED_SHOWN machines, of a count)."""
+    topo = self._topology
+    hosts = {p: rep["host"] for rep in job.placement for p in rep["processes"]}
     shared = placement.shared_hosts(hosts, topo.slice_processes)
-    self.placement_problem = placement.describe(shared)
+    self.placement_problem = placement.describe(shared, more=job.placement_count - len(shared))
     if self.placement_problem and topo.is_primary_process:
-      self._events.record("placement", hosts=len(shared), error=self.placement_problem)
+      self._events.record("placement", hosts=job.placement_count, error=self.placement_problem)
 
   def restorable_steps(self, name: str) -> list[int]:
     """Restorable steps by markers, oldest first (the same on every process)."""

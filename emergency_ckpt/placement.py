@@ -32,14 +32,17 @@ def shared_hosts(
   }
 
 
-def describe(shared: Mapping[str, Mapping[int, Sequence[int]]]) -> str | None:
-  """What is wrong and how to fix it, or None if nothing is shared."""
+def describe(shared: Mapping[str, Mapping[int, Sequence[int]]], *, more: int = 0) -> str | None:
+  """What is wrong and how to fix it, or None if nothing is shared. `more`:
+  shared hosts beyond those in `shared` (counted, not named)."""
   if not shared:
     return None
   parts = []
   for host, slices in shared.items():
     on = ", ".join(f"slice {s} (processes {list(ps)})" for s, ps in slices.items())
     parts.append(f"host {host!r} runs {on}")
+  if more > 0:
+    parts.append(f"and {more} more hosts run processes of two or more slices")
   return (
     "; ".join(parts) + ". Losing such a host loses every local copy of the shards"
     " these slices hold, so a peer cannot serve them and the restore falls back to"

@@ -35,6 +35,9 @@ class Inventory:
   local_rejected: Mapping[int, str] = dataclasses.field(default_factory=dict)
   persistent_steps: tuple[int, ...] | None = None
   state_steps: tuple[int, ...] | None = None
+  state_uncommitted: tuple[int, ...] | None = None
+  """Step folders of the state store without a valid COMMIT (the primary's,
+  from the same listing as state_steps): what a restore discards if newer."""
   copies: Mapping[int, Sequence[Sequence]] = dataclasses.field(default_factory=dict)
   """{step: [[topology digest, saved process, saved slice, slice position,
   saved slice size, 1 if a partner copy else 0], ...]} of the copies on
@@ -43,9 +46,13 @@ class Inventory:
   """{step: [[topology digest, saved process, saved slice, slice position,
   saved slice size, [its XOR group's positions]], ...]} of the parity
   blocks on this host (holdings.py)."""
+  placement: Mapping[str, Any] | None = None
+  """{"host", "processes"}: set only on a manager's first exchange, by the
+  first process of a machine that runs processes of two slices (placement.py)."""
 
   def to_json(self) -> dict[str, Any]:
     return {
+      **({"placement": dict(self.placement)} if self.placement else {}),
       "process": self.process,
       "slice": self.slice,
       "local_steps": list(self.local_steps),
@@ -54,6 +61,11 @@ class Inventory:
       "local_rejected": {str(k): v for k, v in self.local_rejected.items()},
       "persistent_steps": None if self.persistent_steps is None else list(self.persistent_steps),
       "state_steps": None if self.state_steps is None else list(self.state_steps),
+      **(
+        {"state_uncommitted": list(self.state_uncommitted)}
+        if self.state_uncommitted is not None
+        else {}
+      ),
     }
 
   @classmethod
@@ -66,8 +78,10 @@ class Inventory:
       local_rejected={int(k): v for k, v in d.get("local_rejected", {}).items()},
       persistent_steps=opt(d.get("persistent_steps")),
       state_steps=opt(d.get("state_steps")),
+      state_uncommitted=opt(d.get("state_uncommitted")),
       copies={int(k): [tuple(c) for c in v] for k, v in d.get("copies", {}).items()},
       parity={int(k): [tuple(c) for c in v] for k, v in d.get("parity", {}).items()},
+      placement=d.get("placement"),
     )
 
 
@@ -143,7 +157,8 @@ class RestorePlan:
 
 
 REJECTED_SHOWN = 16
-"""Rejected local copies named in a summary (the rest are counted)."""
+"""Rejected local copies (and shared machines) named in a summary (the
+rest are counted)."""
 
 
 def slice_summary(slice_index: int, values: Mapping[int, Mapping], expected: int) -> dict:
@@ -154,10 +169,13 @@ def slice_summary(slice_index: int, values: Mapping[int, Mapping], expected: int
   held: set[int] | None = None
   some: dict[int, int] = {}
   rejected: list[str] = []
+  shared: list[dict] = []
   out: dict[str, Any] = {"slice": slice_index}
   copies: dict = {}
   for process, inv in sorted(values.items()):
     holdings.add_report(copies, inv.get("copies", {}), inv.get("parity", {}))
+    if inv.get("placement"):
+      shared.append(inv["placement"])
     steps = inv["local_steps"]
     held = set(steps) if held is None else held.intersection(steps)
     for step in steps:
@@ -167,6 +185,7 @@ def slice_summary(slice_index: int, values: Mapping[int, Mapping], expected: int
     if inv.get("persistent_steps") is not None or inv.get("state_steps") is not None:
       out["persistent_steps"] = list(inv.get("persistent_steps") or ())
       out["state_steps"] = list(inv.get("state_steps") or ())
+      out["state_uncommitted"] = list(inv.get("state_uncommitted") or ())
   if len(values) < expected:
     held = set()
   held = held or set()
@@ -177,6 +196,8 @@ def slice_summary(slice_index: int, values: Mapping[int, Mapping], expected: int
     rejected_count=len(rejected),
     copies=holdings.pack(copies),
   )
+  if shared:
+    out.update(placement=shared[:REJECTED_SHOWN], placement_count=len(shared))
   return out
 
 
@@ -189,11 +210,15 @@ def job_summary(summaries: Mapping[int, Mapping], num_slices: int) -> dict:
   partial: list[str] = []
   rejected: list[str] = []
   rejected_count = 0
-  shared = {"persistent_steps": [], "state_steps": []}
+  shared = {"persistent_steps": [], "state_steps": [], "state_uncommitted": []}
+  machines: list[dict] = []
+  machines_count = 0
   copies: dict = {}
   for s in range(num_slices):
     summ = summaries.get(s) or {}
     holdings.add_summary(copies, summ.get("copies", {}))
+    machines += summ.get("placement", [])[: REJECTED_SHOWN - len(machines)]
+    machines_count += summ.get("placement_count", 0)
     for step in summ.get("held", ()):
       held.setdefault(step, []).append(s)
     for step, n in summ.get("some", {}).items():
@@ -202,7 +227,7 @@ def job_summary(summaries: Mapping[int, Mapping], num_slices: int) -> dict:
     rejected += summ.get("rejected", [])[: REJECTED_SHOWN - len(rejected)]
     rejected_count += summ.get("rejected_count", 0)
     if "state_steps" in summ:
-      shared = {k: summ[k] for k in shared}
+      shared = {k: summ.get(k, []) for k in shared}
   return {
     "slices": num_slices,
     "held": {str(step): holdings.ranges(sl) for step, sl in sorted(held.items())},
@@ -211,6 +236,7 @@ def job_summary(summaries: Mapping[int, Mapping], num_slices: int) -> dict:
     "rejected_count": rejected_count,
     "reshard": holdings.complete(copies),
     **shared,
+    **({"placement": machines, "placement_count": machines_count} if machines_count else {}),
   }
 
 
@@ -224,12 +250,18 @@ class JobInventory:
   """{step: slices every process of which holds it locally}."""
   persistent_steps: tuple[int, ...] = ()
   state_steps: tuple[int, ...] = ()
+  state_uncommitted: tuple[int, ...] = ()
+  """Inventory.state_uncommitted of the primary."""
   partial: tuple[str, ...] = ()
   rejected: tuple[str, ...] = ()
   rejected_count: int = 0
   reshard: Mapping[int, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
   """{step: holdings.complete's entry} of the saved slices the ramdisks
   serve whole (Candidate.reshard)."""
+  placement: tuple[Mapping[str, Any], ...] = ()
+  """The first REJECTED_SHOWN machines reported running processes of two
+  slices (Inventory.placement), of `placement_count`."""
+  placement_count: int = 0
 
   @classmethod
   def from_json(cls, d: Mapping[str, Any]) -> JobInventory:
@@ -241,10 +273,13 @@ class JobInventory:
       },
       persistent_steps=tuple(d.get("persistent_steps", ())),
       state_steps=tuple(d.get("state_steps", ())),
+      state_uncommitted=tuple(d.get("state_uncommitted", ())),
       partial=tuple(d.get("partial", ())),
       rejected=tuple(d.get("rejected", ())),
       rejected_count=d.get("rejected_count", 0),
       reshard={int(k): v for k, v in d.get("reshard", {}).items()},
+      placement=tuple(d.get("placement", ())),
+      placement_count=d.get("placement_count", 0),
     )
 
 

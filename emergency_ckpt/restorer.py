@@ -197,7 +197,7 @@ class Restorer:
         continue
       source = self._reshard_source if plan.reshard_slices else plan.sources[topo.slice_index]
       logger.info("%s restored step %d from %s", topo.log_prefix(), plan.step, source)
-      self._discard_newer(plan.step, {c.step for c in cands})
+      self._discard_newer(plan.step, {c.step for c in cands}, job.state_uncommitted)
       return Outcome(plan.step, state, data_state, source), tried
     if damaged:  # nothing left, and a persistent step was damaged: say which leaf
       raise CorruptCheckpointError(
@@ -226,20 +226,24 @@ class Restorer:
       " scratch, or point the options at the run's directories."
     )
 
-  def _discard_newer(self, restored: int, restorable: set[int]) -> None:
+  def _discard_newer(self, restored: int, restorable: set[int], uncommitted) -> None:
     """Training resumes at restored + 1 and will save those steps again: what
     a crashed run left of unrestorable newer steps (a local copy, a JSON
     without COMMIT) must not mix with the new saves. Restorable steps are
-    kept. Ends with a barrier, so no new save starts before the cleanup."""
+    kept. Each process deletes its own local copies (nobody else writes
+    there); the primary deletes the newer state folders without COMMIT that
+    the inventory listed (`uncommitted`, the job summary's: no second
+    listing), and then only, a barrier, so that no process saves a JSON
+    into a folder being deleted. The same decision on every process."""
     for step in self._local.held_steps():
       if step > restored and step not in restorable:
         self._local.delete(step)
+    doomed = [s for s in uncommitted if s > restored]
+    if not doomed:
+      return
     if self._topology.is_primary_process:
-      listed = self._state.listed_steps()
-      committed = set(self._state.committed_steps(listed))
-      for step in listed:
-        if step > restored and step not in committed:
-          self._state.delete(step)
+      for step in doomed:
+        self._state.delete(step)
     self._collectives.barrier(f"restore_discard_{restored}")
 
   def _try_load(self, cand, paths, abstract):

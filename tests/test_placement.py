@@ -37,6 +37,9 @@ def test_describe_names_host_slices_processes_and_the_fix():
   text = placement.describe(placement.shared_hosts({0: "a", 1: "b", 2: "a", 3: "c"}, SLICES))
   assert "host 'a' runs slice 0 (processes [0]), slice 1 (processes [2])" in text
   assert "persistent tier" in text and "host_id" in text and "replica-axis entry" in text
+  assert "more hosts" not in text
+  shared = placement.shared_hosts({0: "a", 2: "a"}, SLICES)
+  assert "; and 4 more hosts run processes of two" in placement.describe(shared, more=4)
 
 
 def test_host_identity_is_stable_per_machine_and_overridable():

@@ -321,6 +321,7 @@ def test_describe_absence_with_nothing():
       local_rejected={7: "bad", 11: "worse"},
       persistent_steps=(),
       state_steps=(1, 3),
+      state_uncommitted=(5,),
     ),
     Inventory(process=5, slice=2, local_steps=(4,), local_rejected={}, persistent_steps=(4, 8)),
   ],
@@ -331,7 +332,7 @@ def test_inventory_json_round_trip(inv):
   assert back == inv
   assert isinstance(back.local_steps, tuple)
   assert all(isinstance(k, int) for k in back.local_rejected)
-  for f in ("persistent_steps", "state_steps"):
+  for f in ("persistent_steps", "state_steps", "state_uncommitted"):
     assert getattr(back, f) == getattr(inv, f)
     assert type(getattr(back, f)) is type(getattr(inv, f))
 
@@ -375,6 +376,40 @@ def test_job_summary_names_slices_as_ranges_and_caps_what_is_only_for_messages()
   assert job.held[20] == (0, 1, *range(3, 40))
   assert [(c.step, c.in_persistent) for c in rp.candidates(job)] == [(20, False), (10, True)]
   assert "and 24 more rejected local copies" in rp.describe_absence(job)
+  assert job.state_uncommitted == ()
+  # the primary's uncommitted state steps reach everyone (what restore discards)
+  by_process[0]["state_uncommitted"] = [30]
+  sums[0] = rp.slice_summary(0, {p: by_process[p] for p in slices[0]}, 2)
+  job = rp.JobInventory.from_json(json.loads(json.dumps(rp.job_summary(sums, len(slices)))))
+  assert job.state_uncommitted == (30,) and job.state_steps == (10, 20)
+
+
+def test_shared_machines_ride_on_the_summary_capped_and_counted():
+  """The placement check's reports (one per machine that runs processes of
+  two slices, from its first process) reach everyone through the inventory
+  summary: the first REJECTED_SHOWN named, all counted, none when nothing
+  is shared (the summary stays as small as before)."""
+  slices = layout(40, 2)
+  invs = inventories(slices, everyone(slices, [10]), state=[10])
+  by_process = {inv.process: inv.to_json() for inv in invs}
+  plain = {
+    s: rp.slice_summary(s, {p: by_process[p] for p in procs}, len(procs))
+    for s, procs in enumerate(slices)
+  }
+  assert "placement" not in rp.job_summary(plain, len(slices))
+  # 20 machines' first processes report (what they report is placement.py's)
+  for p in range(0, 40, 2):
+    inv = dataclasses.replace(invs[p], placement={"host": f"h{p // 2}", "processes": [p, p + 1]})
+    by_process[p] = json.loads(json.dumps(inv.to_json()))
+    assert Inventory.from_json(by_process[p]) == inv
+  sums = {
+    s: rp.slice_summary(s, {p: by_process[p] for p in procs}, len(procs))
+    for s, procs in enumerate(slices)
+  }
+  job = rp.JobInventory.from_json(json.loads(json.dumps(rp.job_summary(sums, len(slices)))))
+  assert job.placement_count == 20 and len(job.placement) == rp.REJECTED_SHOWN
+  assert job.placement[0] == {"host": "h0", "processes": [0, 1]}
+  assert job.held[10] == tuple(range(40))  # the rest of the summary is as before
 
 
 def test_a_slice_with_a_silent_process_holds_nothing():
