@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from emergency_ckpt.bench.scale_real import measure_real_jobs
 from emergency_ckpt.testing.launcher import run_job
 
@@ -78,6 +80,7 @@ def test_real_job_benchmark_smoke(shm_dir, tmp_path):
     root=str(tmp_path),
     shm_root=shm_dir,
     latest_reps=1,
+    job_reps=2,
   )
   for n in ("2", "4"):
     fig = out[n]
@@ -88,7 +91,18 @@ def test_real_job_benchmark_smoke(shm_dir, tmp_path):
       assert fig[key]["max"] >= fig[key]["median"] > 0
     for key in ("latest_step_cpu_s", "restore_cpu_s"):
       assert fig[key]["max"] >= fig[key]["median"] > 0
-  assert set(out["ratio_4_2"]) >= {"latest_step_s", "restore_s", "restore_cpu_s"}
+    assert fig["reps"] == 2 and len(fig["restore_s"]["reps_max"]) == 2
+    # the figure is the median over the runs (of two: their mean)
+    assert fig["restore_s"]["max"] == pytest.approx(sum(fig["restore_s"]["reps_max"]) / 2)
+  ratio = out["ratio_4_2"]
+  assert set(ratio) >= {"latest_step_s", "restore_s", "restore_cpu_s"}
+  each = ratio["restore_s"]["reps"]  # the per-run ratios, and their median
+  assert len(each) == 2 and ratio["restore_s"]["max"] == pytest.approx(sum(each) / 2)
+  assert each == pytest.approx(
+    [a / b for a, b in zip(out["4"]["restore_s"]["reps_max"], out["2"]["restore_s"]["reps_max"])]
+  )
   from emergency_ckpt.bench.scale_report import _real_jobs  # noqa: PLC0415
 
-  assert any(line.startswith("CPU per process") for line in _real_jobs(out))
+  text = _real_jobs(out)
+  assert any(line.startswith("CPU per process") for line in text)
+  assert any(line.startswith("4 over 2, max over processes, each run: ") for line in text)

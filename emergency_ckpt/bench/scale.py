@@ -34,6 +34,13 @@ Stages, each a curve over the process count K:
                 restore_plan.candidates + decide for the newest candidate (the
                 restore's planning path; target under 100 ms at 16,384), and the
                 tracemalloc peak per process.
+  real jobs     real jax.distributed jobs of --real-processes processes
+                (bench/scale_real.py): latest_step() and a restore with two
+                slices from peers, each size run --real-reps times in turn
+                (figures: medians over the runs; ratios: the median of the
+                per-run ratios, every run's shown).
+  commit        the state store's commit of one step by --commit-ks simulated
+                writers on fake-gcs-server (bench/scale_commit.py).
 
 Each stage's growth exponent is fitted (least squares of log time on log K
 over K >= 64) and extrapolated to K = 16,384. The simulated processes share
@@ -185,6 +192,12 @@ def parse_args(argv=None) -> argparse.Namespace:
   )
   p.add_argument("--real-mib", type=float, default=64.0, help="bytes the real job holds in all")
   p.add_argument(
+    "--real-reps",
+    type=int,
+    default=3,
+    help="runs of every real job size, in turn (figures: medians over runs)",
+  )
+  p.add_argument(
     "--commit-ks",
     type=_int_list_or_none,
     default=list(DEFAULT_COMMIT_KS),
@@ -197,8 +210,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.error(f"no process count in --ks is <= --max-k {args.max_k}")
   if args.exchange_workers < 1:
     p.error("--exchange-workers must be >= 1")
-  if args.reps < 1 or args.planner_reps < 1:
-    p.error("--reps and --planner-reps must be >= 1")
+  if args.reps < 1 or args.planner_reps < 1 or args.real_reps < 1:
+    p.error("--reps, --planner-reps and --real-reps must be >= 1")
   if args.planner_steps < 1 or args.planner_slices < 1:
     p.error("--planner-steps and --planner-slices must be >= 1")
   for n in args.planner_processes:
@@ -263,6 +276,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     "real_processes": args.real_processes,
     "commit_ks": args.commit_ks,
     "real_mib": args.real_mib,
+    "real_reps": args.real_reps,
     "processes_per_slice": PROCESSES_PER_SLICE,
     "switch_interval_s": SWITCH_INTERVAL_S,
     "cpus": os.cpu_count(),
@@ -304,7 +318,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     from emergency_ckpt.bench.scale_real import measure_real_jobs  # noqa: PLC0415
 
     progress(f"real jobs: {args.real_processes} processes, {args.real_mib:g} MiB in all")
-    real = measure_real_jobs(args.real_processes, total_mib=args.real_mib)
+    real = measure_real_jobs(args.real_processes, total_mib=args.real_mib, job_reps=args.real_reps)
   for name, stage in stages.items():
     stage["fit"] = fit(stage["points"])
     if name.startswith("exchange"):

@@ -30,8 +30,13 @@ compared bit-for-bit with what was saved (not timed).
 Per N: the max over processes of each call's wall time (what the job waits
 for) and the median; the same for the Orbax import and the manager's
 construction; the two jobs' wall times (spawn to exit); where each process
-restored from. `ratio_<last>_<first>`:
-each figure at the largest N over the smallest.
+restored from. With `job_reps` R > 1 the sizes run R times in turn (N1, N2,
+N1, N2, ...: every pair under the same conditions), each figure is the
+median over the R reps (`reps_max`: every rep's max), and
+`ratio_<last>_<first>` is the median of the R per-rep ratios (`reps`: each
+one): the spread between runs minutes apart on a shared machine (4.2x-6.2x
+for one figure in four runs of one rep) is wider than a target's margin.
+`ratio_<last>_<first>`: each figure at the largest N over the smallest.
 
 The worker functions live here (not in tests/) so that an installed wheel can
 run the benchmark.
@@ -308,6 +313,7 @@ def measure_real_jobs(
   timeout_s: float = 600,
   collective_timeout_s: float = 300,
   latest_reps: int = 3,
+  job_reps: int = 1,
 ) -> dict[str, Any]:
   """For each process count, a real job saves a step and a second one (with
   `wipe_slices` slices' ramdisks wiped) times latest_step() and restore() on
@@ -315,8 +321,11 @@ def measure_real_jobs(
   bytes, the same at every count; `slices_of[n]`: slices at n processes
   (default n / 4); `root`: the persistent tier's folder (default: a fresh
   temporary one); `shm_root`: the simulated ramdisks' (default: a fresh one
-  on /dev/shm); `latest_reps`: latest_step() calls after the first. Returns {"<n>": figures, ..., "ratio_<last>_<first>":
-  {figure: {"max": ..., "median": ...}}}, JSON-able."""
+  on /dev/shm); `latest_reps`: latest_step() calls after the first;
+  `job_reps`: how many times every size runs, in turn (figures: medians
+  over reps; see the module docstring). Returns {"<n>": figures, ...,
+  "ratio_<last>_<first>": {figure: {"max": ..., "median": ..., "reps":
+  [...]}}}, JSON-able."""
   counts = list(process_counts)
   made = []
   if root is None:
@@ -328,30 +337,59 @@ def measure_real_jobs(
     )
     made.append(shm_root)
   total_bytes = int(total_mib * 2**20)
-  out: dict[str, Any] = {}
+  per: dict[int, list[dict[str, Any]]] = {n: [] for n in counts}
   try:
-    for n in counts:
-      slices = (slices_of or {}).get(n, max(1, n // PROCESSES_PER_SLICE))
-      out[str(n)] = measure_one(
-        n,
-        slices=slices,
-        total_bytes=total_bytes,
-        wipe_slices=wipe_slices,
-        root=root,
-        shm_root=shm_root,
-        timeout_s=timeout_s,
-        collective_timeout_s=collective_timeout_s,
-        latest_reps=latest_reps,
-      )
+    for rep in range(job_reps):
+      for n in counts:
+        if job_reps > 1:
+          _progress(f"{n} processes: rep {rep + 1} of {job_reps}")
+        slices = (slices_of or {}).get(n, max(1, n // PROCESSES_PER_SLICE))
+        per[n].append(
+          measure_one(
+            n,
+            slices=slices,
+            total_bytes=total_bytes,
+            wipe_slices=wipe_slices,
+            root=root,
+            shm_root=shm_root,
+            timeout_s=timeout_s,
+            collective_timeout_s=collective_timeout_s,
+            latest_reps=latest_reps,
+          )
+        )
   finally:
     for path in made:
       shutil.rmtree(path, ignore_errors=True)
+  out: dict[str, Any] = {str(n): _over_reps(per[n]) for n in counts}
   if len(counts) > 1:
-    lo, hi = out[str(counts[0])], out[str(counts[-1])]
-    out[f"ratio_{counts[-1]}_{counts[0]}"] = {
-      key: {s: hi[key][s] / lo[key][s] if lo[key][s] > 0 else None for s in ("max", "median")}
-      for key in (*TIMED, *CPU)
+    lo, hi = per[counts[0]], per[counts[-1]]
+    ratios: dict[str, Any] = {}
+    for key in (*TIMED, *CPU):
+      ratios[key] = {}
+      for s in ("max", "median"):
+        each = [h[key][s] / q[key][s] for h, q in zip(hi, lo) if q[key][s] > 0]
+        ratios[key][s] = statistics.median(each) if each else None
+      ratios[key]["reps"] = [
+        h[key]["max"] / q[key]["max"] if q[key]["max"] > 0 else None for h, q in zip(hi, lo)
+      ]
+    out[f"ratio_{counts[-1]}_{counts[0]}"] = ratios
+  return out
+
+
+def _over_reps(reps: list[dict[str, Any]]) -> dict[str, Any]:
+  """One size's figures over its reps: each timed figure's max and median
+  are the medians over reps, `reps_max` every rep's max; the rest from
+  the first rep (the same in every rep: each is checked in measure_one)."""
+  out = dict(reps[0])
+  out["reps"] = len(reps)
+  for key in ("import_orbax_s", *TIMED, *CPU):
+    out[key] = {
+      "max": statistics.median(r[key]["max"] for r in reps),
+      "median": statistics.median(r[key]["median"] for r in reps),
+      "reps_max": [r[key]["max"] for r in reps],
     }
+  for key in ("save_job_wall_s", "restart_job_wall_s"):
+    out[key] = statistics.median(r[key] for r in reps)
   return out
 
 
@@ -361,6 +399,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   p.add_argument("--total-mib", type=float, default=DEFAULT_TOTAL_MIB)
   p.add_argument("--per-slice", type=int, default=PROCESSES_PER_SLICE)
   p.add_argument("--wipe", type=int, default=DEFAULT_WIPE_SLICES)
+  p.add_argument("--reps", type=int, default=1, help="runs of every size, in turn")
   p.add_argument("--out", help="also write the JSON here")
   a = p.parse_args(argv)
   counts = [int(x) for x in a.processes.split(",") if x]
@@ -369,6 +408,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     total_mib=a.total_mib,
     slices_of={n: max(1, n // a.per_slice) for n in counts},
     wipe_slices=a.wipe,
+    job_reps=a.reps,
   )
   text = json.dumps(got, indent=2)
   print(text)

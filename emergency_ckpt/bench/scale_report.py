@@ -151,7 +151,13 @@ def _real_jobs(real: dict[str, Any] | None) -> list[str]:
     f" {first['total_bytes'] / 2**20:,.0f} MiB in all at every size; the last"
     f" {first['wiped_slices']} slices' ramdisks wiped before the restart. Each process"
     " times its own call after a barrier; max (what the job waits for) / median over"
-    " processes. Restored values checked bit-for-bit.",
+    " processes. Restored values checked bit-for-bit."
+    + (
+      f" Every size ran {first['reps']} times, in turn; each figure is the median over"
+      " those runs, each ratio the median of the per-run ratios (every run's below)."
+      if first.get("reps", 1) > 1
+      else ""
+    ),
     "",
     "| processes | slices | latest_step() (first) | latest_step() (again) | restore()"
     " | manager construction | Orbax import | sources |",
@@ -168,6 +174,7 @@ def _real_jobs(real: dict[str, Any] | None) -> list[str]:
       f" | {mm(r['restore_s'])} | {mm(r['manager_init_s'])} | {mm(r['import_orbax_s'])}"
       f" | {r['sources']} |"
     )
+  per_run: list[str] = []
   for key, ratio in real.items():
     if key.startswith("ratio_"):
       _, hi, lo = key.split("_")
@@ -181,6 +188,18 @@ def _real_jobs(real: dict[str, Any] | None) -> list[str]:
         )
       )
       lines.append(f"| {hi} over {lo} | | {cells} | | |")
+      if len(ratio["latest_step_s"].get("reps", ())) > 1:
+        each = "; ".join(
+          f"{label} " + ", ".join("-" if v is None else f"{v:.1f}x" for v in ratio[k]["reps"])
+          for label, k in (
+            ("first latest_step()", "latest_step_s"),
+            ("again", "latest_step_again_s"),
+            ("restore()", "restore_s"),
+          )
+        )
+        per_run.append(f"{hi} over {lo}, max over processes, each run: {each}.")
+  if per_run:
+    lines += ["", *per_run]
   if all("restore_cpu_s" in real[str(n)] for n in counts):
     cpu = "; ".join(
       f"{n}: latest_step() {fmt_secs(real[str(n)]['latest_step_cpu_s']['median'])},"
