@@ -9,8 +9,8 @@ For each candidate step (newest first, from the inventory exchange):
 3. execute: nothing more if every slice is intact, a peer transfer to the
    slices that lost it (on failure, every process alike falls back to the
    persistent tier or an older step), or a persistent read.
-Then newer, unrestorable leftovers are discarded (one barrier), so new saves
-never mix with them.
+Then newer, unrestorable leftovers are discarded, so new saves never mix
+with them (a barrier only when the primary deletes state folders).
 
 Called by: every process; see CheckpointManager.restore for what it blocks on.
 """
