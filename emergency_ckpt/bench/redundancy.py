@@ -639,8 +639,10 @@ def markdown(doc: dict) -> str:
 # ---- driver -------------------------------------------------------------------
 def run(out: str, mib_per_process: float, reps: int, fg_iters: int = FG_ITERS) -> dict:
   """Runs the job, writes results.json and results.md under `out`, returns the document."""
+  from emergency_ckpt.bench import measure  # noqa: PLC0415
   from emergency_ckpt.testing.launcher import run_job  # noqa: PLC0415
 
+  measure.precompile()  # the job imports bytecode, as from a wheel
   os.makedirs(out, exist_ok=True)
   schemes, skipped = supported_schemes()
   shm_root = tempfile.mkdtemp(prefix="ec-redbench-", dir="/dev/shm")

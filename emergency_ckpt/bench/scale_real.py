@@ -326,6 +326,9 @@ def measure_real_jobs(
   over reps; see the module docstring). Returns {"<n>": figures, ...,
   "ratio_<last>_<first>": {figure: {"max": ..., "median": ..., "reps":
   [...]}}}, JSON-able."""
+  from emergency_ckpt.bench import measure  # noqa: PLC0415
+
+  precompiled = measure.precompile()  # the jobs import bytecode, as from a wheel
   counts = list(process_counts)
   made = []
   if root is None:
@@ -361,6 +364,8 @@ def measure_real_jobs(
     for path in made:
       shutil.rmtree(path, ignore_errors=True)
   out: dict[str, Any] = {str(n): _over_reps(per[n]) for n in counts}
+  for n in counts:
+    out[str(n)]["precompiled"] = precompiled
   if len(counts) > 1:
     lo, hi = per[counts[0]], per[counts[-1]]
     ratios: dict[str, Any] = {}

@@ -301,12 +301,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+  from emergency_ckpt.bench import measure  # noqa: PLC0415
   from emergency_ckpt.bench.run import _summarize  # noqa: PLC0415
   from emergency_ckpt.testing import gcs_server  # noqa: PLC0415
   from emergency_ckpt.testing.gcs_proxy import GcsProxy  # noqa: PLC0415
   from emergency_ckpt.testing.launcher import run_job  # noqa: PLC0415
 
   a = parse_args(argv)
+  measure.precompile()  # the jobs import bytecode, as from a wheel
   os.makedirs(a.out, exist_ok=True)
   gcs_server.client_defaults()
   started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
