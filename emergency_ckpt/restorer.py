@@ -21,6 +21,7 @@ import dataclasses
 import logging
 import math
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -226,7 +227,7 @@ class Restorer:
       " scratch, or point the options at the run's directories."
     )
 
-  def _discard_newer(self, restored: int, restorable: set[int], uncommitted) -> None:
+  def _discard_newer(self, restored: int, restorable: set[int], uncommitted: Sequence[int]) -> None:
     """Training resumes at restored + 1 and will save those steps again: what
     a crashed run left of unrestorable newer steps (a local copy, a JSON
     without COMMIT) must not mix with the new saves. Restorable steps are

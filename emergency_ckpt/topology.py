@@ -295,13 +295,7 @@ class Collectives:
     except Exception:  # noqa: BLE001 - the client raises a generic error on timeout
       got = self._values(arrivals)
       missing = [p for p in procs if p not in got]
-      raise CollectiveTimeoutError(
-        f"{self._topology.log_prefix()} exchange {name!r} timed out after"
-        f" {timeout_s:.0f}s waiting for processes {_span(missing)} (of"
-        f" {_span(procs)}); they may be hung, stopped or dead. Check their"
-        " logs, then restart the job; raise collective_timeout_s if they are"
-        " only slow."
-      ) from None
+      raise self._timeout_error(name, timeout_s, missing, procs) from None
     if every:
       self._passed_all(key)
     elif key not in self._finished:
@@ -425,26 +419,34 @@ class Collectives:
     except Exception:  # noqa: BLE001 - the client raises a generic error on timeout
       pass
     topo = self._topology
-    try:
-      got = self._values(f"{key}/s/")
-    except Exception:  # noqa: BLE001 - the service itself is gone: say so below
-      got = {}
-    missing = [p for p in range(topo.process_count) if p not in got]
+    everyone = range(topo.process_count)
+    came = self._values_or_none(f"{key}/s/")
+    missing = [p for p in everyone if p not in came]
     if not missing and wanted.endswith("/job"):  # all arrived: the primary stalled
       missing = [topo.primary_process]
     elif not missing:  # all arrived: a slice's first process stalled
-      try:
-        done = {int(k.rsplit("/", 1)[-1]) for k, _ in self._client.key_value_dir_get(f"{key}/sum/")}
-      except Exception:  # noqa: BLE001 - the service itself is gone
-        done = set()
-      missing = [procs[0] for i, procs in enumerate(topo.slice_processes) if i not in done]
-    raise CollectiveTimeoutError(
-      f"{topo.log_prefix()} exchange {name!r} timed out after"
+      summed = self._values_or_none(f"{key}/sum/")  # {slice: its summary}
+      missing = [procs[0] for i, procs in enumerate(topo.slice_processes) if i not in summed]
+    raise self._timeout_error(name, timeout_s, missing, everyone) from None
+
+  def _values_or_none(self, folder: str) -> dict[int, str]:
+    """_values, or {} when the service cannot answer (for error messages)."""
+    try:
+      return self._values(folder)
+    except Exception:  # noqa: BLE001 - the service itself is gone
+      return {}
+
+  def _timeout_error(
+    self, name: str, timeout_s: float, missing: Sequence[int], procs: Sequence[int]
+  ) -> CollectiveTimeoutError:
+    """The error of exchange `name` that waited `timeout_s` for `missing` of `procs`."""
+    return CollectiveTimeoutError(
+      f"{self._topology.log_prefix()} exchange {name!r} timed out after"
       f" {timeout_s:.0f}s waiting for processes {_span(missing)} (of"
-      f" {_span(range(topo.process_count))}); they may be hung, stopped or"
-      " dead. Check their logs, then restart the job; raise"
-      " collective_timeout_s if they are only slow."
-    ) from None
+      f" {_span(procs)}); they may be hung, stopped or dead. Check their"
+      " logs, then restart the job; raise collective_timeout_s if they are"
+      " only slow."
+    )
 
   def _get(self, name: str, key: str, source: int, timeout_s: float | None) -> str:
     """The value of `key`, set (or to be set) by process `source`."""

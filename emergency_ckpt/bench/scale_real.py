@@ -30,13 +30,13 @@ compared bit-for-bit with what was saved (not timed).
 Per N: the max over processes of each call's wall time (what the job waits
 for) and the median; the same for the Orbax import and the manager's
 construction; the two jobs' wall times (spawn to exit); where each process
-restored from. With `job_reps` R > 1 the sizes run R times in turn (N1, N2,
+restored from. `ratio_<last>_<first>`: each figure at the largest N over
+the smallest. With `job_reps` R > 1 the sizes run R times in turn (N1, N2,
 N1, N2, ...: every pair under the same conditions), each figure is the
-median over the R reps (`reps_max`: every rep's max), and
-`ratio_<last>_<first>` is the median of the R per-rep ratios (`reps`: each
-one): the spread between runs minutes apart on a shared machine (4.2x-6.2x
-for one figure in four runs of one rep) is wider than a target's margin.
-`ratio_<last>_<first>`: each figure at the largest N over the smallest.
+median over the R reps (`reps_max`: every rep's max), and each ratio the
+median of the R per-rep ratios (`reps`: each one, of the max): the spread
+between runs minutes apart on a shared machine (4.2x-6.2x for one figure
+in four runs of one rep) is wider than a target's margin.
 
 The worker functions live here (not in tests/) so that an installed wheel can
 run the benchmark.
@@ -370,15 +370,19 @@ def measure_real_jobs(
     lo, hi = per[counts[0]], per[counts[-1]]
     ratios: dict[str, Any] = {}
     for key in (*TIMED, *CPU):
-      ratios[key] = {}
-      for s in ("max", "median"):
-        each = [h[key][s] / q[key][s] for h, q in zip(hi, lo) if q[key][s] > 0]
-        ratios[key][s] = statistics.median(each) if each else None
-      ratios[key]["reps"] = [
-        h[key]["max"] / q[key]["max"] if q[key]["max"] > 0 else None for h, q in zip(hi, lo)
-      ]
+      each = {
+        s: [h[key][s] / q[key][s] if q[key][s] > 0 else None for h, q in zip(hi, lo)]
+        for s in ("max", "median")
+      }
+      ratios[key] = {s: _median_of(v) for s, v in each.items()} | {"reps": each["max"]}
     out[f"ratio_{counts[-1]}_{counts[0]}"] = ratios
   return out
+
+
+def _median_of(values: list[float | None]) -> float | None:
+  """The median of the values that are not None (None if there are none)."""
+  known = [v for v in values if v is not None]
+  return statistics.median(known) if known else None
 
 
 def _over_reps(reps: list[dict[str, Any]]) -> dict[str, Any]:
