@@ -165,7 +165,7 @@ def slice_summary(slice_index: int, values: Mapping[int, Mapping], expected: int
   """One slice's inventories ({process: Inventory JSON}) in one JSON value:
   the steps every one of its `expected` processes holds locally, how many
   hold each other step, a few rejected copies, and the shared tiers if the
-  primary is among them. What the slice's first process publishes."""
+  primary is among them. What the last of the slice to arrive publishes."""
   held: set[int] | None = None
   some: dict[int, int] = {}
   rejected: list[str] = []

@@ -210,9 +210,9 @@ class Collectives:
   What each costs one process, in calls to the coordination service (N
   processes, S slices), and what it receives:
   - exchange: 3 calls; every process's value (N values: for small groups);
-  - gather_tree: 3 calls (a slice's first process 6, the last of them 7,
-    the primary 2 more); one job-wide summary (each slice's first process
-    reads its slice's values, the primary reads S slice summaries);
+  - gather_tree: 3 calls (the last of a slice to arrive 6, the last of
+    those 7); one job-wide summary (the last of a slice to arrive reads its
+    slice's values, the last of those the S slice summaries);
   - gather_sparse: 3 calls (2 with nothing to say); only the values that
     were not None (e.g. errors);
   - exchange_some: 1 call + 1 per process wanted; those processes' values;
@@ -366,68 +366,77 @@ class Collectives:
     combine: Callable[[dict[int, Any]], Any],
     timeout_s: float | None = None,
   ) -> Any:
-    """A job-wide summary of one JSON value per process, in two levels: each
-    slice's first process reads its slice's values and publishes
-    `per_slice(slice, {process: value})`; the primary reads the S slice
-    summaries and publishes `combine({slice: summary})`, which every process
-    returns. Nobody receives every process's value (what made exchanges
-    O(N^2) bytes on the service), and there is no job-wide barrier: a
-    slice's first process adds one to the exchange's counter after
-    publishing, the one that completes it raises a flag, and the primary
-    (blocked on that flag) reads the summaries; every other process blocks
-    on the job summary alone. One wave of wake-ups per level, not two.
-    Blocks until every process arrives, up to twice `timeout_s`; the error
-    names the processes that never arrived. Called by: every process."""
+    """A job-wide summary of one JSON value per process, in two levels: the
+    slice's values are summarised by `per_slice(slice, {process: value})`,
+    the S slice summaries by `combine({slice: summary})`, which every
+    process returns. Nobody receives every process's value (what made
+    exchanges O(N^2) bytes on the service), and nobody waits for anyone but
+    the job summary: each process publishes its value and adds one to its
+    slice's counter; the one that completes it (the slice's last to arrive)
+    reads the slice's values, publishes their summary and adds one to the
+    job's counter; the one that completes that reads the S summaries and
+    publishes the job summary, for which every other process blocks (one
+    wave of wake-ups in all; per_slice and combine must be pure functions,
+    since whichever process comes last runs them). Blocks until every
+    process arrives, up to `timeout_s`; the error names the processes that
+    never arrived. Called by: every process."""
     topo = self._topology
     me, s = topo.process_index, topo.slice_index
     encoded = json.dumps(payload, sort_keys=True)
     if self._client is None or topo.process_count == 1:
-      return combine({s: per_slice(s, {me: json.loads(encoded)})})
+      return json.loads(json.dumps(combine({s: per_slice(s, {me: json.loads(encoded)})})))
     key = _next_key(self._namespace, name, self._client)
-    procs = topo.slice_processes[s]
     self._client.key_value_set(f"{key}/s/{s}/{me}", encoded)
-    if len(procs) > 1:
-      self._wait(name, key, f"{key}/slice/{s}", procs, f"{key}/s/{s}/", timeout_s)
-    if me == procs[0]:
+    job = None
+    if self._client.key_value_increment(f"{key}/n/{s}", 1) == len(topo.slice_processes[s]):
       values = {p: json.loads(v) for p, v in self._values(f"{key}/s/{s}/").items()}
-      self._client.key_value_set(f"{key}/sum/{s}", json.dumps(per_slice(s, values)))
+      summary = {"by": me, "summary": per_slice(s, values)}
+      self._client.key_value_set(f"{key}/sum/{s}", json.dumps(summary))
       if self._client.key_value_increment(f"{key}/n", 1) == topo.num_slices:
-        self._client.key_value_set(f"{key}/done", "")
-    if topo.is_primary_process:
-      self._tree_get(name, key, f"{key}/done", timeout_s)
-      summaries = {
-        int(k.rsplit("/", 1)[-1]): json.loads(v)
-        for k, v in self._client.key_value_dir_get(f"{key}/sum/")
-      }
-      encoded = json.dumps(combine(summaries))
-      self._client.key_value_set(f"{key}/job", encoded)
-    else:
-      encoded = self._tree_get(name, key, f"{key}/job", timeout_s)
+        summaries = {
+          int(k.rsplit("/", 1)[-1]): json.loads(v)["summary"]
+          for k, v in self._client.key_value_dir_get(f"{key}/sum/")
+        }
+        job = json.dumps(combine(summaries))
+        self._client.key_value_set(f"{key}/job", job)
+    if job is None:
+      job = self._tree_get(name, key, timeout_s)
     # Every slice summary is in, so every process has come this far and
     # finished reading the exchanges before this one: the primary may
     # delete their keys (what a job-wide barrier does elsewhere).
     self._passed_all(key)
-    return json.loads(encoded)
+    return json.loads(job)
 
-  def _tree_get(self, name: str, key: str, wanted: str, timeout_s: float | None) -> str:
-    """Blocks on gather_tree `key`'s `wanted` value; on timeout raises the
+  def _tree_get(self, name: str, key: str, timeout_s: float | None) -> str:
+    """Blocks on gather_tree `key`'s job summary; on timeout raises the
     error naming the processes that set no value (one directory get of
-    every process's key, on this failure path only)."""
+    every process's key, on this failure path only), or, if all came, the
+    processes that were to summarise and did not."""
     timeout_s = self._timeout_s if timeout_s is None else timeout_s
     try:
-      return self._client.blocking_key_value_get(wanted, max(1, int(timeout_s * 1000)))
+      return self._client.blocking_key_value_get(f"{key}/job", max(1, int(timeout_s * 1000)))
     except Exception:  # noqa: BLE001 - the client raises a generic error on timeout
       pass
     topo = self._topology
     everyone = range(topo.process_count)
     came = self._values_or_none(f"{key}/s/")
     missing = [p for p in everyone if p not in came]
-    if not missing and wanted.endswith("/job"):  # all arrived: the primary stalled
-      missing = [topo.primary_process]
-    elif not missing:  # all arrived: a slice's first process stalled
-      summed = self._values_or_none(f"{key}/sum/")  # {slice: its summary}
-      missing = [procs[0] for i, procs in enumerate(topo.slice_processes) if i not in summed]
-    raise self._timeout_error(name, timeout_s, missing, everyone) from None
+    if missing:
+      raise self._timeout_error(name, timeout_s, missing, everyone) from None
+    summed = self._values_or_none(f"{key}/sum/")  # {slice: its summary}
+    unsummed = [i for i in range(topo.num_slices) if i not in summed]
+    if unsummed:  # the last of those slices' processes to arrive stalled
+      suspects = [p for i in unsummed for p in topo.slice_processes[i]]
+      what = f"the summary of slices {_span(unsummed)} (one of their processes)"
+    else:  # the last slice to be summarised: its summariser stalled
+      suspects = sorted(json.loads(v)["by"] for v in summed.values())
+      what = "the job summary (the last of the slices' summarisers)"
+    raise CollectiveTimeoutError(
+      f"{topo.log_prefix()} exchange {name!r} timed out after {timeout_s:.0f}s:"
+      f" every process arrived, but {what} was never published; one of processes"
+      f" {_span(suspects)} stalled or failed while summarising. Check their logs"
+      " for an error, then restart the job."
+    ) from None
 
   def _values_or_none(self, folder: str) -> dict[int, str]:
     """_values, or {} when the service cannot answer (for error messages)."""

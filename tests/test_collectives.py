@@ -139,13 +139,13 @@ def test_gather_tree_gives_everyone_one_summary_and_nobody_every_value(job):
 
   got = _all(cols, run)
   assert got == [[[0, 3, 3], [1, 12, 3]]] * 6
-  # a plain process: set, slice barrier, one blocking get of the job summary
-  # (no job-wide barrier); a slice's first process also reads its slice,
-  # sets its summary and counts it (the last to count raises the flag); the
-  # primary waits on that flag, reads the summaries and sets the job's.
+  # a plain process: set, add one to its slice's counter, one blocking get of
+  # the job summary (no barrier); the last of a slice to count also reads its
+  # slice, sets the summary and counts it (6); the last of those reads the
+  # summaries and sets the job's (7, and needs no get).
   calls = _calls(counted)
-  assert calls[1:3] == calls[4:] == [3, 3], calls
-  assert (calls[0], calls[3]) in ((9, 6), (8, 7)), calls
+  assert sorted(calls) == [3, 3, 3, 3, 6, 7], calls
+  assert [sum(c > 3 for c in calls[i : i + 3]) for i in (0, 3)] == [1, 1], calls  # one per slice
   for c in counted:
     assert c.bytes_received < 3000  # at most its own slice's values, never all six
   # the next job-wide barrier lets the primary delete the finished exchange's keys
@@ -209,23 +209,50 @@ def test_gather_tree_timeout_names_the_missing_processes(job):
     )
 
 
-def test_gather_tree_timeout_names_a_stalled_primary(job):
-  """Everyone arrived but the primary never published the job summary: the
-  others' error names the primary, not a process that came."""
-  cols, _ = job
+def _stalled(cols, per_slice, combine):
+  """Runs gather_tree "stall" on every process: (the summariser's error, every
+  other process's, in process order)."""
+  with concurrent.futures.ThreadPoolExecutor(6) as pool:
+    futures = [
+      pool.submit(c.gather_tree, "stall", 1, per_slice=per_slice, combine=combine, timeout_s=2)
+      for c in cols
+    ]
+    errors = [f.exception() for f in futures]
+  failed = [e for e in errors if isinstance(e, RuntimeError)]
+  assert len(failed) == 1, errors
+  return failed[0], [e for e in errors if e is not failed[0]]
+
+
+def test_gather_tree_timeout_names_a_stalled_summariser(job):
+  """Everyone arrived but the job summary was never published: the others'
+  error says so and names the processes that could have published it (the
+  slices' summarisers), not processes that merely came."""
+  cols, counted = job
 
   def combine(sums):
-    raise RuntimeError("stalled")  # only the primary combines
+    raise RuntimeError("stalled")  # whoever completes the exchange
 
-  def run(c):
-    return c.gather_tree("stall", 1, per_slice=lambda s, v: len(v), combine=combine, timeout_s=2)
+  failed, others = _stalled(cols, lambda s, v: len(v), combine)
+  summarisers = [i for i, c in enumerate(counted) if c.calls["key_value_increment"] == 2]
+  assert len(summarisers) == 2, summarisers
+  for e in others:
+    assert isinstance(e, CollectiveTimeoutError), e
+    assert "every process arrived" in str(e) and "job summary" in str(e), e
+    assert f"processes {summarisers}" in str(e), e
 
-  with concurrent.futures.ThreadPoolExecutor(6) as pool:
-    futures = [pool.submit(run, c) for c in cols]
-    errors = [f.exception() for f in futures]
-  assert isinstance(errors[0], RuntimeError), errors
-  for e in errors[1:]:
-    assert isinstance(e, CollectiveTimeoutError) and "processes [0]" in str(e), e
+
+def test_gather_tree_timeout_names_a_slice_whose_summary_never_came(job):
+  cols, _ = job
+
+  def per_slice(s, values):
+    if s == 1:
+      raise RuntimeError("stalled")
+    return len(values)
+
+  failed, others = _stalled(cols, per_slice, lambda sums: sums)
+  for e in others:
+    assert isinstance(e, CollectiveTimeoutError), e
+    assert "summary of slices [1]" in str(e) and "processes 3-5" in str(e), e
 
 
 def test_forget_deletes_a_steps_hints(job):

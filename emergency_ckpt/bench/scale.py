@@ -98,7 +98,7 @@ DEFAULT_ALLGATHER_MAX_K = 1024
 DEFAULT_REAL_PROCESSES = (16, 64)
 DEFAULT_COMMIT_KS = (16, 64, 256, 1024)
 COMMIT_TARGET_S = 10.0  # last write to COMMIT at 1,024 writers
-TREE_CALLS = (3, 10)  # gather_tree's calls per process (fewest, most), whatever K
+TREE_CALLS = (3, 8)  # gather_tree's calls per process (fewest, most), whatever K
 
 _T0 = time.monotonic()
 
@@ -337,11 +337,11 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
   stages["planner"]["meets_target_at_largest"] = biggest["wall_s"] < PLANNER_TARGET_S
   notes = [
     "Calls per process per exchange (tree; the fewest are a plain process's, the most"
-    " the primary's): "
+    " those of the process that arrived last): "
     + ", ".join(f"K={p['k']}: {calls_text(p)}" for p in stages["exchange"]["points"]),
     "Bytes: in the tree, each process receives one job summary (per step, the slices"
-    " that hold it, as ranges), a slice's first process its slice's inventories, the"
-    " primary the slice summaries. In the all-gather every process receives every"
+    " that hold it, as ranges), the last of a slice to arrive its slice's inventories,"
+    " the last of those the slice summaries. In the all-gather every process receives every"
     " inventory: K^2 on the service"
     + (
       f" ({service_bytes_at(stages['exchange_allgather']['points'], EXTRAPOLATE_K)} at"

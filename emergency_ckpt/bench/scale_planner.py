@@ -61,9 +61,9 @@ def planner_inputs(processes: int, slices: int, steps: int):
 
 
 def _plan(encoded: list[str], slice_processes, statuses):
-  """The planner as a job runs it: each slice's first process summarises its
-  slice (in parallel across slices: the slowest counts), the primary
-  combines the summaries, then every process plans from the job summary."""
+  """The planner as a job runs it: each slice's last process to arrive
+  summarises its slice (in parallel across slices: the slowest counts), the
+  last of those combines the summaries, then every process plans from the job summary."""
   t0 = time.perf_counter()
   invs = [restore_plan.Inventory.from_json(json.loads(e)) for e in encoded]
   t1 = time.perf_counter()
@@ -132,7 +132,7 @@ def measure_planner(processes: int, slices: int, steps: int, reps: int) -> dict[
     "k": processes,
     "slices": len(slice_processes),
     "steps": steps,
-    # the restore path: the slowest slice summary, the primary's combine,
+    # the restore path: the slowest slice summary, the combine,
     # then one process's candidates + decide (on different hosts, in turn)
     "wall_s": med("slice_summary_max_s") + med("combine_s") + med("candidates_s") + med("decide_s"),
     "all_in_one_process_s": med("slice_summaries_s")

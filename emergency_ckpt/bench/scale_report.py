@@ -91,9 +91,9 @@ def render_markdown(doc: dict[str, Any]) -> str:
     f"## Restore planner ({pl[0]['slices'] if pl else '?'} slices x"
     f" {pl[0]['steps'] if pl else '?'} committed steps)",
     "",
-    "As a job runs it: each slice's first process summarises its slice's inventory"
+    "As a job runs it: each slice's last process to arrive summarises its slice's inventory"
     " JSON (`restore_plan.slice_summary`; the slices run in parallel on their own"
-    " hosts, so the slowest counts), the primary combines the slice summaries"
+    " hosts, so the slowest counts), the last of those combines the slice summaries"
     " (`job_summary`), then every process parses the job summary and runs"
     " `candidates` (all committed steps) and `decide` for the newest candidate;"
     f" median of {cfg['planner_reps']}. Restore path = slowest slice + combine +"
