@@ -1,7 +1,9 @@
 """Loading Orbax off the restore path: its import, then its multihost set-up.
 
 Orbax costs about 0.5 s of CPU to import (more when a host's processes load
-it at once) and its multihost set-up is a barrier of every process. Reading
+it at once); its multihost set-up (topology.init_orbax_multihost) is
+nothing with Orbax's defaults, and an all-gather of every process where
+Orbax is flagged to translate process ids. Reading
 a local copy or receiving one from a peer needs neither, so the manager
 starts both on a background lane once the restore path is behind it (at
 the end of restore(), or when all_steps() finds nothing to restore: every
@@ -34,8 +36,9 @@ class OrbaxLoader:
     self._futures: tuple[concurrent.futures.Future, concurrent.futures.Future] | None = None
 
   def start(self) -> None:
-    """Starts, once, on the lane "orbax": the import, then the set-up (a
-    global barrier inside Orbax: every process must start it). Called by:
+    """Starts, once, on the lane "orbax": the import, then the set-up (where
+    Orbax is flagged to translate process ids, a global barrier inside
+    Orbax: every process must start it). Called by:
     every process, once its restore path is behind it; blocks on nothing. Not
     tracked as background work: a failure is raised where Orbax is needed
     (a process that died during start-up fails the set-up; the local tier,
@@ -63,7 +66,7 @@ class OrbaxLoader:
     except Exception as e:
       raise CollectiveTimeoutError(
         f"{self._log_prefix} Orbax's multihost set-up (a barrier of every process,"
-        f" started when the manager was created) failed: {e}. A process died or hung"
+        f" started once the restore path was behind) failed: {e}. A process died or hung"
         " during start-up: check every process's log, then restart the job."
       ) from e
 

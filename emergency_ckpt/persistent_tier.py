@@ -281,8 +281,7 @@ class PersistentTier:
   def restore(self, step: int, abstract_tree: Any, expected: checksums.Expected) -> Any:
     """Reads `step` onto abstract_tree's shardings, every byte checked
     against `expected` (CorruptCheckpointError naming the leaf otherwise).
-    Called by: every process (all alike: the multihost set-up behind
-    `orbax_ready` is collective)."""
+    Called by: every process (all alike)."""
     _, abstract, treedef = shards_lib.leaf_paths(abstract_tree)
     layout, buffer = self.read_into(step, abstract_tree, expected)
     arrays = shards_lib.assemble_buffer(abstract, layout, buffer)

@@ -687,22 +687,31 @@ def _span(procs: Sequence[int]) -> str:
 
 
 def init_orbax_multihost() -> None:
-  """Orbax prerequisites for barriers over process subsets (idempotent).
+  """What Orbax needs before its multi-process use (idempotent): with Orbax's
+  defaults, nothing. Its CheckpointManager and its barriers over process
+  subsets take JAX process indices as they are; only with its experimental
+  flag `experimental_orbax_use_distributed_process_id` does it translate
+  them, through a table that its initialize_runtime_to_distributed_ids()
+  builds by an all-gather of every process (a key each, a barrier of every
+  process, then a directory get of all N keys on every process: N^2 values
+  through the coordination service at start-up), so only then is it built.
+  Its other table (every process's device ids, another such all-gather)
+  serves only Orbax's own emergency managers and is never built here.
 
-  Called by: every process, once, when the manager is created (it contains a
-  global barrier inside Orbax).
+  Called by: every process, once, when Orbax is loaded (a barrier of every
+  process only where that flag is set).
   """
   if jax.process_count() == 1:
     return
   from orbax.checkpoint._src.multihost import multihost  # noqa: PLC0415
 
+  if not multihost.use_experimental_distributed_process_id():
+    return
   # Two managers of one process set up on their own threads: Orbax's
   # check-then-initialise is not atomic (the second one's key exists).
   with _ORBAX_INIT_LOCK:
     if not multihost.is_runtime_to_distributed_ids_initialized():
       multihost.initialize_runtime_to_distributed_ids()
-    if not multihost.is_distributed_to_device_ids_initialized():
-      multihost.initialize_distributed_to_device_ids()
 
 
 _ORBAX_INIT_LOCK = threading.Lock()

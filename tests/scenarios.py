@@ -133,7 +133,16 @@ def options(args: dict) -> ec.CheckpointManagerOptions:
 
 
 def save_steps(args: dict) -> dict:
-  """Saves args['steps'] (each a state distinct by step), then waits."""
+  """Saves args['steps'] (each a state distinct by step), then waits.
+  args['orbax_distributed_ids']: set Orbax's experimental flag that makes it
+  translate process indices first."""
+  if args.get("orbax_distributed_ids"):
+    from absl import flags  # noqa: PLC0415
+    from orbax.checkpoint._src.multihost import multihost  # noqa: F401, PLC0415 - defines it
+
+    if not flags.FLAGS.is_parsed():
+      flags.FLAGS.mark_as_parsed()
+    flags.FLAGS.experimental_orbax_use_distributed_process_id = True
   mesh = mesh_for(args["slices"])
   saved = []
   with ec.CheckpointManager(options(args), mesh=mesh) as mngr:
@@ -144,7 +153,30 @@ def save_steps(args: dict) -> dict:
         mngr.wait_until_finished()
     mngr.wait_until_finished()
     topo = mngr.topology
-    return {"saved": saved, "slice": topo.slice_index, "local_dir": mngr.local_directory}
+    return {
+      "saved": saved,
+      "slice": topo.slice_index,
+      "local_dir": mngr.local_directory,
+      "orbax_all_gathers": _orbax_all_gathers(),
+    }
+
+
+def _orbax_all_gathers() -> list[str]:
+  """Which of Orbax's start-up all-gathers of every process ran in this job
+  (its id tables built, or their keys on the coordination service)."""
+  from orbax.checkpoint._src.multihost import multihost  # noqa: PLC0415
+
+  ran = []
+  if multihost.is_runtime_to_distributed_ids_initialized():
+    ran.append("runtime_to_distributed_ids")
+  if multihost.is_distributed_to_device_ids_initialized():
+    ran.append("distributed_to_device_ids")
+  client = jax._src.distributed.global_state.client  # noqa: SLF001
+  if client is not None:
+    for folder in ("jax/process_id/", "orbax/distributed_to_device_ids/"):
+      if client.key_value_dir_get(folder):
+        ran.append(folder)
+  return ran
 
 
 def _wipe(args: dict) -> None:

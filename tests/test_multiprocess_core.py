@@ -77,8 +77,12 @@ def test_save_restart_restore(shm_dir, topology):
   assert sorted(r["slice"] for r in saved) == sorted(
     s for s in range(slices) for _ in range(nproc // slices)
   )
-  # Persistent tier: every 2nd step, Orbax-committed.
+  # Persistent tier: every 2nd step, Orbax-committed (by the primary slice,
+  # through Orbax's barriers over its processes) ...
   assert sorted(os.listdir(os.path.join(args["persistent"], "tensors"))) == ["2", "4"]
+  # ... without Orbax's start-up all-gathers of every process (N^2 values on
+  # the coordination service), which its defaults do not need.
+  assert [r["orbax_all_gathers"] for r in saved] == [[]] * nproc
 
   args["variants"] = _variants(slices, nproc - 1)
   results = run_job(
@@ -97,6 +101,19 @@ def test_save_restart_restore(shm_dir, topology):
       assert rec["mismatches"] == [], where
       assert rec["data_state"] == rec["expected_data_state"], where
       assert rec["data_state"]["pos"] == step * 1000 + process, where
+
+
+def test_orbax_flagged_to_translate_process_ids_gets_its_table(shm_dir):
+  """With Orbax's experimental flag to use distributed process ids, its
+  translation table is built (its own all-gather) before the persistent
+  tier's first save, and the primary slice's saves go through."""
+  args = _args(shm_dir, 2, orbax_distributed_ids=True)
+  saved = run_job("tests.scenarios:save_steps", 4, args).check()
+  assert all(r["saved"] == [1, 2, 3, 4] for r in saved)
+  assert sorted(os.listdir(os.path.join(args["persistent"], "tensors"))) == ["2", "4"]
+  assert [r["orbax_all_gathers"] for r in saved] == [
+    ["runtime_to_distributed_ids", "jax/process_id/"]
+  ] * 4
 
 
 def test_collective_peer_transport(shm_dir):
