@@ -393,10 +393,7 @@ class Collectives:
       summary = {"by": me, "summary": per_slice(s, values)}
       self._client.key_value_set(f"{key}/sum/{s}", json.dumps(summary))
       if self._client.key_value_increment(f"{key}/n", 1) == topo.num_slices:
-        summaries = {
-          int(k.rsplit("/", 1)[-1]): json.loads(v)["summary"]
-          for k, v in self._client.key_value_dir_get(f"{key}/sum/")
-        }
+        summaries = {i: json.loads(v)["summary"] for i, v in self._values(f"{key}/sum/").items()}
         job = json.dumps(combine(summaries))
         self._client.key_value_set(f"{key}/job", job)
     if job is None:
@@ -428,7 +425,7 @@ class Collectives:
     if unsummed:  # the last of those slices' processes to arrive stalled
       suspects = [p for i in unsummed for p in topo.slice_processes[i]]
       what = f"the summary of slices {_span(unsummed)} (one of their processes)"
-    else:  # the last slice to be summarised: its summariser stalled
+    else:  # every slice summarised: the one that completed the count stalled
       suspects = sorted(json.loads(v)["by"] for v in summed.values())
       what = "the job summary (the last of the slices' summarisers)"
     raise CollectiveTimeoutError(
