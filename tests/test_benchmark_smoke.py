@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import warnings
 
 MANAGERS = ("emergency_ckpt", "orbax_multislice", "orbax_p2p")
 METRICS = (
@@ -33,6 +34,12 @@ def _positive(v) -> bool:
   return isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
 
 
+def _failed_logs(out) -> str:
+  """The tails of the failed jobs' logs (a hung process's ends with its stacks)."""
+  logs = sorted((out / "logs").glob("*.txt")) if (out / "logs").is_dir() else []
+  return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-5000:]}" for p in logs)
+
+
 def test_quick_benchmark_reports_every_metric(tmp_path):
   out = tmp_path / "bench"
   proc = subprocess.run(
@@ -45,7 +52,9 @@ def test_quick_benchmark_reports_every_metric(tmp_path):
   assert proc.returncode == 0, proc.stderr[-6000:]
   assert "[bench" in proc.stderr  # progress lines
   doc = json.loads((out / "results.json").read_text())
-  assert doc["errors"] == {}, doc["errors"]
+  assert doc["errors"] == {}, (doc["errors"], _failed_logs(out))
+  if doc["retried"]:  # only Orbax's jobs are retried, once, after a hang (see run.py)
+    warnings.warn(f"benchmark jobs retried after a hang: {doc['retried']}", stacklevel=1)
   assert doc["config"]["quick"] and doc["config"]["reps"] == 1
 
   listed = {m["key"]: m for m in doc["metrics"]}

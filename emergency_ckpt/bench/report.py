@@ -133,6 +133,8 @@ def markdown(doc: dict) -> str:
         lines.append(f"- {name} / {mt.label}: {fig['note']}")
     for k, v in res[name]["extras"].get("notes", {}).items():
       lines.append(f"- {name} {k}: {v}")
+  for label, why in doc.get("retried", {}).items():
+    lines.append(f"- {label} ran twice: its first attempt {why} (logs/attempt1_*)")
   lines += [
     "- restore figures time a fresh manager from construction to ready arrays"
     " (Orbax P2P starts its peer fetch in the constructor), after one untimed"

@@ -17,7 +17,9 @@ process wrote its result or died (bounded by EC_LAUNCHER_EXIT_WAIT_S, default
 could abort a sibling still reading the last collective ("Connection closed
 by peer"). Process 0 hosts the coordination service, so it leaves last, once
 the others are gone (a client that loses the service aborts). The launcher kills only its own children, by PID,
-after a timeout.
+after a timeout; first it asks each one still running for the Python stacks of
+all its threads (SIGUSR1, faulthandler), which land in its log, so a hang
+names the line it hung on.
 
 Environment of each child (set by run_job): EC_JOB_COORD (coordinator
 address), EC_JOB_NPROC (process count), EC_JOB_PID (this process's index),
@@ -27,6 +29,7 @@ EC_JOB_OUT (the job's output folder; `job_output_dir()`).
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import importlib
 import importlib.util
 import json
@@ -46,6 +49,8 @@ NPROC_ENV = "EC_JOB_NPROC"
 PID_ENV = "EC_JOB_PID"
 OUT_ENV = "EC_JOB_OUT"
 EXIT_WAIT_ENV = "EC_LAUNCHER_EXIT_WAIT_S"
+STACKS_SIGNAL = signal.SIGUSR1  # a child dumps every thread's stack to its log
+STACKS_WAIT_S = 1.0  # how long a timed-out job's children get to dump them
 
 
 def free_port() -> int:
@@ -138,6 +143,7 @@ def run_job(
       timed_out = True
       break
   if timed_out:
+    _dump_stacks(procs)
     for p in procs:
       if p.poll() is None:
         os.kill(p.pid, signal.SIGKILL)
@@ -167,6 +173,20 @@ def run_job(
     time.monotonic() - t0,
     [read_pid(out_dir, i) for i in range(num_processes)],
   )
+
+
+def _dump_stacks(procs: list[subprocess.Popen]) -> None:
+  """Asks every child still running to write its threads' stacks to its log
+  (each registered STACKS_SIGNAL with faulthandler; the handler writes at
+  once, from C), then gives them STACKS_WAIT_S to be scheduled."""
+  running = [p for p in procs if p.poll() is None]
+  for p in running:
+    try:
+      os.kill(p.pid, STACKS_SIGNAL)
+    except ProcessLookupError:
+      pass
+  if running:
+    time.sleep(STACKS_WAIT_S)
 
 
 def _import_root(target: str) -> str | None:
@@ -256,6 +276,7 @@ def _worker_main() -> None:
   n = int(os.environ[NPROC_ENV])
   out_dir = job_output_dir()
   out = os.path.join(out_dir, f"result_{pid}.json")
+  faulthandler.register(STACKS_SIGNAL, all_threads=True)  # run_job's timeout asks
   with open(os.path.join(out_dir, f"pid_{pid}.tmp"), "w") as f:
     f.write(str(os.getpid()))
   os.replace(os.path.join(out_dir, f"pid_{pid}.tmp"), os.path.join(out_dir, f"pid_{pid}"))
