@@ -7,7 +7,8 @@ machine. Set up once per manager (a collective: which processes share this
 machine, then the partner's address).
 
 "xor" (peer/xor.py, xor_parity.py): the slice's processes form groups on
-distinct machines (a collective within the slice: each process's machine),
+distinct machines (a collective within the slice: its last process to
+arrive groups the slice's machines and tells each process its group),
 every member keeps a parity receiver open and sends each local step's
 chunks to the other members (their addresses: one more collective).
 
@@ -89,20 +90,23 @@ class Xor:
   """This process's XOR group: its parity receiver, and where its chunks go."""
 
   def __init__(self, options, *, topology, collectives, process_dir: str, host_label: str):
-    """Called by: every process (two collectives: an exchange within the
-    slice, exchange_some)."""
+    """Called by: every process (two collectives: an assign within the
+    slice, which gives each process only its group; exchange_some)."""
     me = topology.process_index
     self._prefix = topology.log_prefix()
     self._timeout_s = options.collective_timeout_s
     procs = topology.slice_processes[topology.slice_index]
-    machines = collectives.exchange(
-      f"xor_hosts_{topology.slice_index}", host_label, processes=procs
+    size = options.local.redundancy_group_size
+    part = collectives.assign(
+      f"xor_hosts_{topology.slice_index}",
+      host_label,
+      processes=procs,
+      assign=lambda machines: xor_parity.parts(procs, machines, size),
     )
-    groups = xor_parity.groups(procs, machines, options.local.redundancy_group_size)
-    self.group = next(g for g in groups if me in g)
+    self.group = [int(p) for p in part["group"]]
     self.member = self.group.index(me)
     self.problem: str | None = None
-    shared = xor_parity.shared_machines(self.group, machines)
+    shared = xor_parity.shared_machines(self.group, dict(zip(self.group, part["machines"])))
     if len(self.group) < 2 or shared:
       self.problem = (
         f"local.redundancy='xor': XOR group {self.group} of slice {topology.slice_index}"

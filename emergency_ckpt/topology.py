@@ -218,6 +218,8 @@ class Collectives:
   - exchange_some: 1 call + 1 per process wanted; those processes' values;
   - exchange_keyed: 1 call per key published + 1 per key wanted;
   - group_by: 3 calls; the values of the processes with the same label;
+  - assign: 3 calls (the last of the group to arrive: 3 + one per other
+    member); this process's part of a function of the group's values;
   - broadcast: 1 call; one value;
   - barrier: 2 calls; nothing.
   Keys of finished exchanges are deleted by the primary process after the
@@ -482,6 +484,59 @@ class Collectives:
     self._client.key_value_set(f"{key}/{group}/{me}", encoded)
     self._wait(name, key, f"{key}/all", range(self._topology.process_count), f"{key}/", timeout_s)
     return {p: json.loads(v) for p, v in sorted(self._values(f"{key}/{group}/").items())}
+
+  def assign(
+    self,
+    name: str,
+    payload: Any,
+    *,
+    processes: Sequence[int],
+    assign: Callable[[dict[int, Any]], dict[int, Any]],
+    timeout_s: float | None = None,
+  ) -> Any:
+    """This process's part of `assign({process: payload})` over `processes`
+    (e.g. a slice): the function that needs every member's value runs once,
+    in the last member to arrive, and each member receives only its part
+    (where an all-gather gives every member every value: P^2 on the service
+    per group of P). Each member sets its value and adds one to the group's
+    counter, then blocks on its part (3 calls); the one that completes the
+    count reads the values in one directory get and sets the others' parts
+    (3 + P - 1 calls; O(P) bytes in all). `assign` must be a pure function
+    returning a JSON value for every member. Blocks until every member
+    arrives, up to `timeout_s`; the error names those that never did.
+    Called by: every process in `processes`."""
+    me = self._topology.process_index
+    procs = self._group(name, processes)
+    encoded = json.dumps(payload, sort_keys=True)
+    if self._client is None or len(procs) == 1:
+      return json.loads(json.dumps(assign({me: json.loads(encoded)})[me]))
+    key = _next_key(self._namespace, name, self._client)
+    self._finished.append(key)  # deleted after the next job-wide barrier
+    self._client.key_value_set(f"{key}/v/{me}", encoded)
+    if self._client.key_value_increment(f"{key}/n", 1) == len(procs):
+      values = {p: json.loads(v) for p, v in self._values(f"{key}/v/").items()}
+      parts = {p: json.dumps(part, sort_keys=True) for p, part in assign(values).items()}
+      for p in procs:
+        if p != me:
+          self._client.key_value_set(f"{key}/r/{p}", parts[p])
+      return json.loads(parts[me])
+    timeout_s = self._timeout_s if timeout_s is None else timeout_s
+    try:
+      return json.loads(
+        self._client.blocking_key_value_get(f"{key}/r/{me}", max(1, int(timeout_s * 1000)))
+      )
+    except Exception:  # noqa: BLE001 - the client raises a generic error on timeout
+      pass
+    came = self._values_or_none(f"{key}/v/")
+    missing = [p for p in procs if p not in came]
+    if missing:
+      raise self._timeout_error(name, timeout_s, missing, procs) from None
+    raise CollectiveTimeoutError(
+      f"{self._topology.log_prefix()} exchange {name!r} timed out after {timeout_s:.0f}s:"
+      f" every process of {_span(procs)} arrived, but this process's part was never"
+      " published; the last of them to arrive stalled or failed while computing the"
+      " parts. Check their logs for an error, then restart the job."
+    ) from None
 
   def broadcast(self, name: str, value: Any, *, source: int, timeout_s: float | None = None) -> Any:
     """`value` of process `source` (others pass None), given to every process.

@@ -45,6 +45,17 @@ def groups(processes: Sequence[int], machine_of: Mapping[int, str], size: int) -
   return out
 
 
+def parts(processes: Sequence[int], machine_of: Mapping[int, str], size: int) -> dict[int, dict]:
+  """{process: {"group": its group, "machines": the group's machines, in
+  member order}}: what each process needs of groups() (a collective's
+  parts: nobody needs the whole slice's machines)."""
+  out = {}
+  for group in groups(processes, machine_of, size):
+    part = {"group": group, "machines": [machine_of[p] for p in group]}
+    out.update((p, part) for p in group)
+  return out
+
+
 def shared_machines(group: Sequence[int], machine_of: Mapping[int, str]) -> list[int]:
   """Members of `group` that share a machine with an earlier member."""
   seen, out = set(), []

@@ -198,6 +198,59 @@ def test_group_by_returns_only_the_own_group(job):
   assert _calls(counted) == [3] * 6
 
 
+def test_assign_gives_each_member_only_its_part(job):
+  """The last member of the group to arrive runs the function over every
+  member's value and sets each other member's part; the others set, count
+  and get (3 calls), it reads the values and sets P - 1 parts."""
+  cols, counted = job
+  seen = []
+
+  def parts(values):
+    seen.append(dict(values))
+    total = sum(v["p"] for v in values.values())
+    return {p: {"me": p, "total": total} for p in values}
+
+  got = _all(
+    cols[3:],
+    lambda c: c.assign(
+      "grp", {"p": c.topology.process_index, "pad": "x" * 1000}, processes=[3, 4, 5], assign=parts
+    ),
+  )
+  assert got == [{"me": p, "total": 12} for p in (3, 4, 5)], got
+  assert len(seen) == 1 and sorted(seen[0]) == [3, 4, 5], seen
+  calls = _calls(counted)[3:]
+  assert sorted(calls) == [3, 3, 5], calls
+  for i, c in enumerate(counted[3:]):
+    if calls[i] == 3:  # a member receives its part, never the others' values
+      assert c.bytes_received < 500, c.bytes_received
+
+
+def test_assign_timeout_names_the_missing_members_or_a_stalled_assigner(job):
+  cols, _ = job
+  with pytest.raises(CollectiveTimeoutError, match=r"processes \[5\] \(of 3-5\)"):
+    _all(
+      cols[3:5],
+      lambda c: c.assign(
+        "late", 1, processes=[3, 4, 5], assign=lambda v: dict.fromkeys(v, 0), timeout_s=1
+      ),
+    )
+
+  def stall(values):
+    raise RuntimeError("stalled")  # whoever completes the count
+
+  with concurrent.futures.ThreadPoolExecutor(3) as pool:
+    futures = [
+      pool.submit(c.assign, "stall", 1, processes=[0, 1, 2], assign=stall, timeout_s=2)
+      for c in cols[:3]
+    ]
+    errors = [f.exception() for f in futures]
+  assert sum(isinstance(e, RuntimeError) and str(e) == "stalled" for e in errors) == 1, errors
+  others = [e for e in errors if isinstance(e, CollectiveTimeoutError)]
+  assert len(others) == 2, errors
+  for e in others:
+    assert "every process of 0-2 arrived" in str(e) and "never published" in str(e), e
+
+
 def test_gather_tree_timeout_names_the_missing_processes(job):
   cols, _ = job
   with pytest.raises(CollectiveTimeoutError, match=r"processes \[5\]"):

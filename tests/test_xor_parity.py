@@ -37,3 +37,17 @@ def test_xor_groups_spread_over_machines():
   assert xp.groups(range(5), {p: str(p) for p in range(5)}, 4) == [[0, 1, 2], [3, 4]]
   one = xp.groups(range(4), dict.fromkeys(range(4), "m"), 8)  # one machine: cannot spread
   assert one == [[0, 1], [2, 3]] and xp.shared_machines(one[0], dict.fromkeys(range(4), "m"))
+
+
+def test_xor_parts_give_each_process_its_group_and_its_machines():
+  """What the XOR set-up's assign hands each process: its group (as groups()
+  cuts the slice) and the group's machines, so it can check the spread
+  without the slice's other machines."""
+  from emergency_ckpt import xor_parity as xp  # noqa: PLC0415
+
+  machine = {p: f"m{p // 2}" for p in range(10, 18)}  # 4 machines x 2 processes
+  parts = xp.parts(range(10, 18), machine, 4)
+  assert sorted(parts) == list(range(10, 18))
+  for group in xp.groups(range(10, 18), machine, 4):
+    for p in group:
+      assert parts[p] == {"group": group, "machines": [machine[q] for q in group]}
