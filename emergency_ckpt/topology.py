@@ -8,6 +8,7 @@ that never arrived. Tests replace `Collectives` to exercise pure logic.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import hashlib
@@ -191,6 +192,9 @@ def topology_from_mesh(mesh: jax.sharding.Mesh, replica_axis: str | int) -> Topo
 # given a dead one's id must not continue that client's sequence.
 _SEQUENCES: dict[tuple[int, str], tuple[Any, itertools.count]] = {}
 _SEQ_LOCK = threading.Lock()
+
+
+ASSIGN_THREADS = 16  # concurrent sets by the member that computes an assign's parts
 
 
 def _next_key(namespace: str, name: str, client: Any) -> str:
@@ -516,9 +520,11 @@ class Collectives:
     if self._client.key_value_increment(f"{key}/n", 1) == len(procs):
       values = {p: json.loads(v) for p, v in self._values(f"{key}/v/").items()}
       parts = {p: json.dumps(part, sort_keys=True) for p, part in assign(values).items()}
-      for p in procs:
-        if p != me:
-          self._client.key_value_set(f"{key}/r/{p}", parts[p])
+      others = [p for p in procs if p != me]
+      # The sets are independent: ASSIGN_THREADS at a time (the client
+      # releases the GIL while a call waits on the service).
+      with concurrent.futures.ThreadPoolExecutor(min(ASSIGN_THREADS, len(others))) as pool:
+        list(pool.map(lambda p: self._client.key_value_set(f"{key}/r/{p}", parts[p]), others))
       return json.loads(parts[me])
     timeout_s = self._timeout_s if timeout_s is None else timeout_s
     try:

@@ -202,6 +202,7 @@ def _cpu_s() -> float:
 
 
 ROUNDS = ("gather", "all-gather", "old algorithm")
+XOR_ROUNDS = ("xor set-up", "xor set-up (all-gather)")  # K processes as one slice
 
 
 class ClientGroup:
@@ -241,7 +242,7 @@ class ClientGroup:
   def _setup(self) -> dict[str, Callable[[int, int], bool]]:
     """The rounds' per-process functions fn(i, rep) -> whether process i got
     the right answer (the tree's answers are checked after the round)."""
-    from emergency_ckpt import inventory  # noqa: PLC0415
+    from emergency_ckpt import inventory, xor_parity  # noqa: PLC0415
     from emergency_ckpt.topology import Collectives  # noqa: PLC0415
 
     k, lo, timeout_s = self.k, self.indices[0], self.timeout_s
@@ -271,7 +272,23 @@ class ClientGroup:
       got = old_exchange(self.clients[i - lo], key, i, procs, payloads[i], timeout_s)
       return len(got) == k and got[k - 1] == payloads[k - 1]
 
-    return dict(zip(ROUNDS, (tree, allgather, old)))
+    def xor_setup(i: int, rep: int) -> bool:
+      # the XOR set-up (redundancy.Xor) with all K processes in one slice,
+      # one machine each: the slice's last to arrive cuts the groups
+      part = colls[i].assign(
+        "xor_hosts", f"m{i}", processes=procs, assign=lambda m: xor_parity.parts(procs, m, 8)
+      )
+      return i in part["group"] and len(part["group"]) == 8
+
+    def xor_setup_allgather(i: int, rep: int) -> bool:
+      # the same before Collectives.assign: every process got every machine
+      machines = colls[i].exchange("xor_hosts_all", f"m{i}", processes=procs)
+      group = next(g for g in xor_parity.groups(procs, machines, 8) if i in g)
+      return len(group) == 8
+
+    fns = dict(zip(ROUNDS, (tree, allgather, old)))
+    fns.update({XOR_ROUNDS[0]: xor_setup, XOR_ROUNDS[1]: xor_setup_allgather})
+    return fns
 
   def round(self, what: str, rep: int, release: Callable[[], float | None]) -> dict[str, Any]:
     """One round of `what` on each of this group's processes: the release
