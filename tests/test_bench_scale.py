@@ -111,6 +111,23 @@ def test_exchange_one_interpreter():
   assert got["exchange_old"]["calls_per_process_min"] == 5
 
 
+def test_xor_setup_rounds_assign_and_all_gather():
+  """The XOR set-up rounds (benchmarks/results/2026-11-26e-xor-setup):
+  every process gets a group of 8; with assign a plain process makes 3
+  calls and the assigner K + 2, the all-gather 3 each (the primary more)."""
+  sim = scale_exchange.Simulation(16, 60.0, workers=2)
+  try:
+    assign = scale_exchange._rounds(sim, "xor set-up", 1)  # noqa: SLF001
+    gather = scale_exchange._rounds(sim, "xor set-up (all-gather)", 1)  # noqa: SLF001
+  finally:
+    sim.close()
+  for rnd in assign:
+    assert (rnd["calls_min"], rnd["calls_max"]) == (3, 18), rnd
+    assert rnd["bytes_received_max"] < 1000, rnd  # the assigner reads 16 labels
+  for rnd in gather:
+    assert rnd["calls_min"] == 3 and rnd["bytes_received"] > 16 * 8, rnd
+
+
 def test_exchange_worker_error_reaches_parent():
   """A worker's error is raised here, naming the round; the workers are
   stopped and the service shut down."""
