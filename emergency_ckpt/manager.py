@@ -32,7 +32,7 @@ from emergency_ckpt.inventory import Inventory, StepMetadata
 from emergency_ckpt.local_tier import LocalTier
 from emergency_ckpt.options import CheckpointManagerOptions
 from emergency_ckpt.orbax_loader import OrbaxLoader
-from emergency_ckpt.persistent_tier import PersistentTier
+from emergency_ckpt.persistent_tier import PersistentTier, upload_memory_kind
 from emergency_ckpt.records import StepRecords, check_metrics
 from emergency_ckpt.restorer import Restorer, RestoreResult
 from emergency_ckpt.retainer import Retainer
@@ -134,6 +134,7 @@ class CheckpointManager:
       host_label=host,
       mapped=self._local.mapped,
     )
+    uploads = upload_memory_kind(mesh.local_devices)
     self._saves = SavePipeline(
       options,
       topology=topo,
@@ -143,8 +144,10 @@ class CheckpointManager:
       records=self._records,
       events=self._events,
       background=self._background,
-      # CPU devices: the upload reads the staged snapshot; accelerators: Orbax copies inline.
-      upload_snapshots=all(d.platform == "cpu" for d in mesh.local_devices),
+      # The upload reads the staged snapshot (CPU; accelerators with pinned
+      # host memory), else Orbax copies from the devices inline.
+      upload_snapshots=uploads[0],
+      upload_memory_kind=uploads[1],
       redundancy=self._redundancy,
       **tiers,
     )

@@ -15,8 +15,13 @@ Orbax on the trainer's thread: save_snapshot() hands Orbax arrays that alias
 the local tier's staged host copy (an immutable snapshot: the trainer may
 donate or overwrite its arrays as soon as save() returns) and runs the Orbax
 save on a background thread, so the save() stall is the staging copy alone.
-On accelerators, save() calls Orbax inline: its device-to-host copy must end
-before the trainer may touch the arrays again.
+On accelerators with pinned host memory (GPUs, TPUs), the upload reads the
+snapshot too: save_snapshot() hands Orbax arrays in the devices'
+"pinned_host" memory, built from the snapshot on the upload thread (a host
+copy), so Orbax's "device-to-host copy" never touches the device and save()
+waits for nothing but the staging (upload_memory_kind decides, with a probe
+transfer). Elsewhere save() calls Orbax inline: its device-to-host copy must
+end before the trainer may touch the arrays again.
 
 The storage rules that need no JAX (which steps are finalized, deleting a
 step, cleanup after a crash) are in persistent_layout.py.
@@ -36,6 +41,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import Mesh
 
 from emergency_ckpt import checksums, compat, failpoints, layout, persistent_read, storage
@@ -68,6 +74,45 @@ def _ocp():
   except ImportError:  # pragma: no cover - absl ships with orbax
     pass
   return ocp
+
+
+PINNED_HOST = "pinned_host"
+CPU_UPLOAD_MEMORY_KIND: str | None = None
+"""The memory kind of the arrays an upload from a snapshot builds on CPU
+devices (None: their default memory, which aliases the snapshot). Tests set
+PINNED_HOST to run the accelerators' path on CPU."""
+
+
+def upload_memory_kind(devices) -> tuple[bool, str | None]:
+  """(whether the persistent upload reads the staged snapshot, the memory
+  kind of the arrays it hands Orbax) for this process's `devices`. CPU:
+  yes, in their default memory (CPU_UPLOAD_MEMORY_KIND). Accelerators: yes,
+  in pinned host memory, where every device has it and a probe transfer
+  into it and back works; else no (Orbax copies from the device inline,
+  inside save()). Called by: the manager, once per process."""
+  devices = list(devices)
+  if all(d.platform == "cpu" for d in devices) and CPU_UPLOAD_MEMORY_KIND is None:
+    return True, None
+  if not devices or not all(
+    any(m.kind == PINNED_HOST for m in d.addressable_memories()) for d in devices
+  ):
+    return False, None
+  try:
+    want = np.arange(256, dtype=np.float32)
+    probe = jax.device_put(
+      want.copy(), jax.sharding.SingleDeviceSharding(devices[0], memory_kind=PINNED_HOST)
+    )
+    ok = np.array_equal(np.asarray(probe), want)
+  except Exception as e:  # noqa: BLE001 - any failure: the inline path, which always works
+    logger.warning(
+      "persistent uploads: a transfer into %s memory of %s failed (%s); Orbax will copy"
+      " from the device inside save() instead (a longer stall at persistent steps).",
+      PINNED_HOST,
+      devices[0],
+      e,
+    )
+    return False, None
+  return (True, PINNED_HOST) if ok else (False, None)
 
 
 def check_replicated(tree: Any, replica_axis: str) -> None:
@@ -252,11 +297,12 @@ class PersistentTier:
   def save_snapshot(
     self, step: int, tree: Any, make_tree: Callable[[], Any], release: Callable[[], None]
   ) -> None:
-    """Starts a save of an immutable host snapshot of `tree` (CPU devices
-    only): `make_tree()` builds arrays aliasing the snapshot, on the upload
-    thread; `release()` runs once Orbax no longer reads it (the upload ended
-    or failed). Called by: every process of the primary slice, in the same
-    step order, after wait_previous(step). Blocks on nothing."""
+    """Starts a save of an immutable host snapshot of `tree` (where
+    upload_memory_kind says so): `make_tree()` builds arrays from the
+    snapshot (on CPU aliasing it; on accelerators in pinned host memory), on
+    the upload thread; `release()` runs once Orbax no longer reads it (the
+    upload ended or failed). Called by: every process of the primary slice,
+    in the same step order, after wait_previous(step). Blocks on nothing."""
     try:
       self._check_ready()
       check_replicated(tree, self._topology.replica_axis_name)

@@ -100,10 +100,12 @@ class SavePipeline:
     events: EventLog,
     background: Background,
     upload_snapshots: bool,
+    upload_memory_kind: str | None = None,
     redundancy=None,
   ):
     """`upload_snapshots`: the persistent upload reads the staged snapshot
-    (CPU devices) instead of Orbax copying the device arrays inline.
+    instead of Orbax copying the device arrays inline, handing Orbax arrays
+    in `upload_memory_kind` (persistent_tier.upload_memory_kind).
     `redundancy`: the partner link (redundancy.start), or None."""
     self._options = options
     self._topology = topology
@@ -117,6 +119,7 @@ class SavePipeline:
     self._events = events
     self._background = background
     self._upload_snapshots = upload_snapshots
+    self._upload_memory_kind = upload_memory_kind
     self._redundancy = redundancy
 
   def save(
@@ -186,7 +189,8 @@ class SavePipeline:
         def snapshot_tree() -> Any:  # on the upload thread
           snapshot.wait_filled()
           snapshot.wait_others_staged()
-          return jax.tree_util.tree_unflatten(treedef, snapshot.arrays(abstract))
+          arrays = snapshot.arrays(abstract, self._upload_memory_kind)
+          return jax.tree_util.tree_unflatten(treedef, arrays)
 
         self._persistent.save_snapshot(step, state, snapshot_tree, release)
       elif persistent:

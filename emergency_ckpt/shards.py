@@ -226,17 +226,25 @@ def fill(shards: list[list[jax.Array]], layout: Layout, buffer: np.ndarray) -> N
   copy_into(to_host(shards), layout, buffer)
 
 
-def assemble(abstract, arrays_by_index: dict[Index, np.ndarray]) -> jax.Array:
-  """A global jax.Array for `abstract` from this process's host shards."""
+def assemble(
+  abstract, arrays_by_index: dict[Index, np.ndarray], memory_kind: str | None = None
+) -> jax.Array:
+  """A global jax.Array for `abstract` from this process's host shards, in
+  the devices' `memory_kind` (None: their default memory)."""
   sharding = abstract.sharding
   shape = tuple(abstract.shape)
   devices, pieces = [], []
   for device, idx in sharding.addressable_devices_indices_map(shape).items():
     devices.append(device)
     pieces.append(arrays_by_index[normalize_index(idx, shape)])
+  targets: list[Any] = devices
+  if memory_kind is not None:
+    sharding = sharding.with_memory_kind(memory_kind)
+    targets = [jax.sharding.SingleDeviceSharding(d, memory_kind=memory_kind) for d in devices]
   # On CPU, aligned host pieces are aliased, not copied (a restore from a
-  # mapped local file then costs no copy at all); elsewhere this is the H2D.
-  placed = jax.device_put(pieces, devices, may_alias=True)
+  # mapped local file then costs no copy at all); elsewhere this is the H2D
+  # (into pinned host memory: a host copy).
+  placed = jax.device_put(pieces, targets, may_alias=True)
   return jax.make_array_from_single_device_arrays(shape, sharding, placed)
 
 

@@ -201,12 +201,15 @@ class HostSnapshot:
     """The local write is done with the buffer (or no local write comes)."""
     self._area._pool.release(self.buffer)
 
-  def arrays(self, abstract: Sequence[Any]) -> list[Any]:
-    """Global jax.Arrays for `abstract` built from the snapshot (on CPU they
-    alias the buffer: hold() it while they live)."""
+  def arrays(self, abstract: Sequence[Any], memory_kind: str | None = None) -> list[Any]:
+    """Global jax.Arrays for `abstract` built from the snapshot, in the
+    devices' `memory_kind` (None: default; on CPU they then alias the
+    buffer: hold() it while they live)."""
     return [
       shards_lib.assemble(
-        a, {slot.index: shards_lib.view(self.buffer, leaf, slot) for slot in leaf.slots}
+        a,
+        {slot.index: shards_lib.view(self.buffer, leaf, slot) for slot in leaf.slots},
+        memory_kind,
       )
       for a, leaf in zip(abstract, self.layout.leaves)
     ]

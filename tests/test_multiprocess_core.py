@@ -116,6 +116,24 @@ def test_orbax_flagged_to_translate_process_ids_gets_its_table(shm_dir):
   ] * 4
 
 
+def test_primary_slice_uploads_from_the_snapshot_in_pinned_host_memory(shm_dir):
+  """The accelerators' persistent upload (arrays in pinned host memory built
+  from the staged snapshot, on the upload thread), run on CPU devices: the
+  primary slice's processes save through Orbax's subset barriers, and with
+  every ramdisk wiped each process restores the newest persistent step
+  bit-exactly."""
+  args = _args(shm_dir, 2, upload_memory_kind="pinned_host")
+  saved = run_job("tests.scenarios:save_steps", 4, args).check()
+  assert all(r["saved"] == [1, 2, 3, 4] for r in saved)
+  assert [r["upload"] for r in saved] == [[True, "pinned_host"]] * 4
+  assert sorted(os.listdir(os.path.join(args["persistent"], "tensors"))) == ["2", "4"]
+  args["variants"] = [{"name": "all_wiped", "wipe_slices": [0, 1]}]
+  for rec, *_ in run_job("tests.scenarios:restore_variants", 4, args).check():
+    assert "error" not in rec, rec.get("message")
+    assert (rec["step"], rec["source"]) == (4, "persistent")
+    assert rec["mismatches"] == [] and rec["data_state"] == rec["expected_data_state"]
+
+
 def test_collective_peer_transport(shm_dir):
   """peer_transport="collective" (the XLA permute) serves a wiped slice too."""
   args = _args(shm_dir, 2)

@@ -143,7 +143,8 @@ class Ours:
 
 
 class OursBothTiers(Ours):
-  """Every save to both tiers (a persistent step: on accelerators Orbax
+  """Every save to both tiers (a persistent step: where the devices have
+  pinned host memory the upload reads the staged snapshot, else Orbax
   copies to the host inside save())."""
 
   both_tiers = True
