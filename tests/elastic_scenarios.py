@@ -3,7 +3,9 @@ shuffled hosts, fewer slices and more slices."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 import os
 from typing import Any
 
@@ -11,6 +13,24 @@ import jax
 
 import emergency_ckpt as ec
 from tests import scenarios as sc
+
+
+@contextlib.contextmanager
+def _warnings():
+  """The library's warnings logged inside the block, as text."""
+  got: list[str] = []
+
+  class Keep(logging.Handler):
+    def emit(self, record):
+      got.append(record.getMessage())
+
+  handler = Keep(logging.WARNING)
+  logger = logging.getLogger("emergency_ckpt")
+  logger.addHandler(handler)
+  try:
+    yield got
+  finally:
+    logger.removeHandler(handler)
 
 
 def restore_then_save(args: dict) -> dict[str, Any]:
@@ -22,7 +42,8 @@ def restore_then_save(args: dict) -> dict[str, Any]:
   options = dataclasses.replace(sc.options(args), host_id=f"sim-host-{jax.process_index()}")
   with ec.CheckpointManager(options, mesh=mesh) as mngr:
     held = list(mngr.metadata(5).local_slices) if args.get("metadata_of_5") else None
-    r = mngr.restore(sc.abstract_state(mesh))
+    with _warnings() as warned:  # why a newer step was passed over, if one was
+      r = mngr.restore(sc.abstract_state(mesh))
     out = {
       "step": r.step,
       "source": r.source,
@@ -30,6 +51,7 @@ def restore_then_save(args: dict) -> dict[str, Any]:
       "bad": sc.mismatches(r.state, r.step),
       "data_state": r.data_state,
       "local_slices_of_5": held,
+      "warnings": warned,
     }
     for step in args.get("then_save", ()):
       mngr.save(step, sc.make_state(mesh, step), data_state=sc.data_state(step))

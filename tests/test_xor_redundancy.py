@@ -121,5 +121,6 @@ def test_the_same_position_lost_in_every_slice_is_rebuilt(shm_dir):
   rh.wipe_hosts(args, 1, 3)
   got = rh.restart(args, 4, 2)
   for p, r in got.items():
-    assert (r["step"], r["bad"]) == (5, []), r
-    assert r["source"] == ("parity" if p in (1, 3) else "local"), r
+    why = f"process {p}: step {r['step']} from {r['source']}; warnings: {r['warnings']}"
+    assert (r["step"], r["bad"]) == (5, []), why
+    assert r["source"] == ("parity" if p in (1, 3) else "local"), why
