@@ -103,7 +103,7 @@ class Xor:
       processes=procs,
       assign=lambda machines: xor_parity.parts(procs, machines, size),
     )
-    self.group = [int(p) for p in part["group"]]
+    self.group = part["group"]
     self.member = self.group.index(me)
     self.problem: str | None = None
     shared = xor_parity.shared_machines(self.group, dict(zip(self.group, part["machines"])))

@@ -416,16 +416,12 @@ class Collectives:
     every process's key, on this failure path only), or, if all came, the
     processes that were to summarise and did not."""
     timeout_s = self._timeout_s if timeout_s is None else timeout_s
-    try:
-      return self._client.blocking_key_value_get(f"{key}/job", max(1, int(timeout_s * 1000)))
-    except Exception:  # noqa: BLE001 - the client raises a generic error on timeout
-      pass
     topo = self._topology
-    everyone = range(topo.process_count)
-    came = self._values_or_none(f"{key}/s/")
-    missing = [p for p in everyone if p not in came]
-    if missing:
-      raise self._timeout_error(name, timeout_s, missing, everyone) from None
+    got = self._get_or_name_missing(
+      name, f"{key}/job", f"{key}/s/", range(topo.process_count), timeout_s
+    )
+    if got is not None:
+      return got
     summed = self._values_or_none(f"{key}/sum/")  # {slice: its summary}
     unsummed = [i for i in range(topo.num_slices) if i not in summed]
     if unsummed:  # the last of those slices' processes to arrive stalled
@@ -440,6 +436,23 @@ class Collectives:
       f" {_span(suspects)} stalled or failed while summarising. Check their logs"
       " for an error, then restart the job."
     ) from None
+
+  def _get_or_name_missing(
+    self, name: str, key: str, arrivals: str, procs: Sequence[int], timeout_s: float
+  ) -> str | None:
+    """The value of `key` (one blocking get, up to `timeout_s`). On timeout
+    raises the error naming those of `procs` that set no key under
+    `arrivals` (one directory get, on this failure path only), or returns
+    None if all of them came (the caller names who stalled)."""
+    try:
+      return self._client.blocking_key_value_get(key, max(1, int(timeout_s * 1000)))
+    except Exception:  # noqa: BLE001 - the client raises a generic error on timeout
+      pass
+    came = self._values_or_none(arrivals)
+    missing = [p for p in procs if p not in came]
+    if missing:
+      raise self._timeout_error(name, timeout_s, missing, procs) from None
+    return None
 
   def _values_or_none(self, folder: str) -> dict[int, str]:
     """_values, or {} when the service cannot answer (for error messages)."""
@@ -527,16 +540,9 @@ class Collectives:
         list(pool.map(lambda p: self._client.key_value_set(f"{key}/r/{p}", parts[p]), others))
       return json.loads(parts[me])
     timeout_s = self._timeout_s if timeout_s is None else timeout_s
-    try:
-      return json.loads(
-        self._client.blocking_key_value_get(f"{key}/r/{me}", max(1, int(timeout_s * 1000)))
-      )
-    except Exception:  # noqa: BLE001 - the client raises a generic error on timeout
-      pass
-    came = self._values_or_none(f"{key}/v/")
-    missing = [p for p in procs if p not in came]
-    if missing:
-      raise self._timeout_error(name, timeout_s, missing, procs) from None
+    got = self._get_or_name_missing(name, f"{key}/r/{me}", f"{key}/v/", procs, timeout_s)
+    if got is not None:
+      return json.loads(got)
     raise CollectiveTimeoutError(
       f"{self._topology.log_prefix()} exchange {name!r} timed out after {timeout_s:.0f}s:"
       f" every process of {_span(procs)} arrived, but this process's part was never"
