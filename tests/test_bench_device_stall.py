@@ -23,7 +23,13 @@ def test_device_stall_benchmark_reports_every_manager(tmp_path, shm_dir):
   )
   assert proc.returncode == 0, proc.stderr[-6000:]
   doc = json.loads((out / "device_stall.json").read_text())
-  assert set(doc["managers"]) == {"ours-host", "ours-device", "orbax", "ours-device-both-tiers"}
+  assert set(doc["managers"]) == {
+    "ours-host",
+    "ours-device",
+    "orbax",
+    "ours-device-both-tiers",
+    "ours-host-both-tiers",
+  }
   for name, m in doc["managers"].items():
     assert m["restore_bit_exact"] is True, name
     assert len(m["reps"]) == 1 and m["stall_s"] > 0, name

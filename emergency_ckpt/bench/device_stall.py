@@ -17,8 +17,8 @@ manager, `--reps` timed saves after one warm-up, each between train steps:
 Managers: `ours-host` (local.device_snapshot False: save() copies to the
 host), `ours-device` (device_snapshot True), `orbax` (a plain
 ocp.CheckpointManager, async, on the same ramdisk): each saves every step
-to the ramdisk only; `ours-device-both-tiers` saves every step to both
-tiers (the persistent one on local disk). Bounds, same state:
+to the ramdisk only; `ours-device-both-tiers` and `ours-host-both-tiers`
+save every step to both tiers (the persistent one on local disk). Bounds, same state:
 `jax.device_get` into fresh host memory, shards.fill into a reused
 faulted-in buffer, the device-side copy alone, and a device_put of host
 arrays (restore's bound). Nothing here asserts a time: it prints and writes
@@ -189,6 +189,7 @@ MANAGERS = {
   "ours-device": (Ours, True),
   "orbax": (Orbax, False),
   "ours-device-both-tiers": (OursBothTiers, True),
+  "ours-host-both-tiers": (OursBothTiers, False),
 }
 
 
