@@ -67,6 +67,13 @@ def aligned_empty(nbytes: int) -> np.ndarray:
   return raw[start : start + nbytes]
 
 
+def aligned_zeros(nbytes: int) -> np.ndarray:
+  """aligned_empty's zeroed twin (calloc's fresh pages: zeroed as faulted in)."""
+  raw = np.zeros(nbytes + _PAGE, dtype=np.uint8)
+  start = (-raw.ctypes.data) % _PAGE
+  return raw[start : start + nbytes]
+
+
 def _fault_in(buf: np.ndarray) -> None:
   """Touches every page of `buf` (its contents are garbage either way), so a
   later copy into it takes no page fault. numpy's large allocations ask for

@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import re
 from typing import Any
 
 import jax
@@ -16,21 +17,25 @@ from tests import scenarios as sc
 
 
 @contextlib.contextmanager
-def _warnings():
-  """The library's warnings logged inside the block, as text."""
-  got: list[str] = []
+def _logged():
+  """The library's log records (INFO and up) inside the block, as
+  (level, text)."""
+  got: list[tuple[int, str]] = []
 
   class Keep(logging.Handler):
     def emit(self, record):
-      got.append(record.getMessage())
+      got.append((record.levelno, record.getMessage()))
 
-  handler = Keep(logging.WARNING)
+  handler = Keep(logging.INFO)
   logger = logging.getLogger("emergency_ckpt")
+  level = logger.level
   logger.addHandler(handler)
+  logger.setLevel(logging.INFO)
   try:
     yield got
   finally:
     logger.removeHandler(handler)
+    logger.setLevel(level)
 
 
 def restore_then_save(args: dict) -> dict[str, Any]:
@@ -42,8 +47,9 @@ def restore_then_save(args: dict) -> dict[str, Any]:
   options = dataclasses.replace(sc.options(args), host_id=f"sim-host-{jax.process_index()}")
   with ec.CheckpointManager(options, mesh=mesh) as mngr:
     held = list(mngr.metadata(5).local_slices) if args.get("metadata_of_5") else None
-    with _warnings() as warned:  # why a newer step was passed over, if one was
+    with _logged() as logged:  # why a newer step was passed over, if one was
       r = mngr.restore(sc.abstract_state(mesh))
+    warned = [text for level, text in logged if level >= logging.WARNING]
     out = {
       "step": r.step,
       "source": r.source,
@@ -52,6 +58,12 @@ def restore_then_save(args: dict) -> dict[str, Any]:
       "data_state": r.data_state,
       "local_slices_of_5": held,
       "warnings": warned,
+      # the saved processes this process rebuilt from XOR parity
+      "rebuilt": sorted(
+        int(m.group(1))
+        for _, text in logged
+        if (m := re.search(r"rebuilt saved process (\d+)'s step", text))
+      ),
     }
     for step in args.get("then_save", ()):
       mngr.save(step, sc.make_state(mesh, step), data_state=sc.data_state(step))

@@ -221,10 +221,11 @@ def test_xor_rebuild_reads_the_rebuilders_own_blocks_in_place(tmp_path, damaged)
   assert got.arrays[0][((0, sizes[lost] // 4),)].tobytes() == data[lost]
 
 
-def test_xor_rebuild_names_a_range_damaged_on_the_wire(tmp_path, monkeypatch):
-  """The ranges stream into the rebuilt chunks as they arrive; one flipped
-  bit on the wire fails that range's CRC32C at its end: an error naming
-  it, never a rebuilt copy."""
+def test_xor_rebuild_refuses_bytes_damaged_on_the_wire(tmp_path, monkeypatch):
+  """The ranges stream into the rebuilt chunks as they arrive, with no
+  checksum per range; one flipped bit on the wire fails the rebuilt
+  shard's CRC32C from the lost member's manifest: an error naming the
+  shard, never a rebuilt copy."""
   from emergency_ckpt.errors import CorruptCheckpointError  # noqa: PLC0415
 
   k, lost = 3, 2
@@ -237,7 +238,7 @@ def test_xor_rebuild_names_a_range_damaged_on_the_wire(tmp_path, monkeypatch):
   )
   servers = _range_servers(data, blocks, [0, 1])
   try:
-    with pytest.raises(CorruptCheckpointError, match="fail their checksum on arrival"):
+    with pytest.raises(CorruptCheckpointError, match=r"rebuilt from parity.*fails its checksum"):
       xor.rebuild(
         7,
         lost,

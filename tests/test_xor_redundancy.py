@@ -124,3 +124,35 @@ def test_the_same_position_lost_in_every_slice_is_rebuilt(shm_dir):
     why = f"process {p}: step {r['step']} from {r['source']}; warnings: {r['warnings']}"
     assert (r["step"], r["bad"]) == (5, []), why
     assert r["source"] == ("parity" if p in (1, 3) else "local"), why
+
+
+def test_the_restarted_process_rebuilds_its_own_shards(one_slice, shm_dir):
+  """Same process count: the process that took the lost member's place
+  rebuilds it (pulling every piece from the survivors at once), no
+  survivor rebuilds and forwards it; with hosts shuffled it reads the
+  pieces its new host holds in place."""
+  args = rh.copy_run(one_slice, shm_dir)
+  rh.wipe_hosts(args, 1)
+  got = rh.restart(args, 4, 1)
+  assert {p: r["rebuilt"] for p, r in got.items()} == {0: [], 1: [1], 2: [], 3: []}, got
+  # host 1 lost, and host 2's machine now runs process 1 (host 2 comes back empty)
+  args = rh.copy_run(one_slice, os.path.join(shm_dir, "shuffled"))
+  rh.wipe_hosts(args, 1)
+  os.rename(os.path.join(args["local_root"], "host_2"), os.path.join(args["local_root"], "host_1"))
+  got = rh.restart(args, 4, 1)
+  for r in got.values():
+    assert (r["step"], r["bad"]) == (5, []), r
+  assert {p: r["rebuilt"] for p, r in got.items()} == {0: [], 1: [1], 2: [], 3: []}, got
+  assert got[1]["source"] == "parity", got[1]
+
+
+def test_onto_more_slices_a_survivor_rebuilds_and_serves_the_lost_member(one_slice, shm_dir):
+  """Another process count (1 slice x 4 saved, 2 slices x 4 restored): the
+  first survivor of the group rebuilds the lost member and serves it to
+  both processes that need its shards."""
+  args = rh.copy_run(one_slice, shm_dir)
+  rh.wipe_hosts(args, 1)
+  got = rh.restart(args, 8, 2)
+  for r in got.values():
+    assert (r["step"], r["bad"]) == (5, []), r
+  assert {p: r["rebuilt"] for p, r in got.items()} == {p: [1] if p == 0 else [] for p in range(8)}

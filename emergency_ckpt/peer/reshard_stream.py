@@ -261,15 +261,25 @@ def _rebuild(
   step, paths, sources, parity_only, groups, files, bodies, servers, **kw
 ) -> tuple[dict[int, LocalStep], str | None]:
   """The XOR rebuild phase (every process calls it; one exchange when the
-  plan rebuilds anything): the
-  saved processes this process rebuilds ({saved process: LocalStep, arrays
-  in `paths` order}) and an error, if any. Holders of a survivor's data and
-  parity serve byte ranges (RangeServer, added to `servers`); the first
-  survivor of each group with a lost member rebuilds it."""
+  plan rebuilds anything): the saved processes this process rebuilds
+  ({saved process: LocalStep, arrays in `paths` order}) and an error, if
+  any. Holders of a survivor's data and parity serve byte ranges
+  (RangeServer, added to `servers`).
+
+  Who rebuilds a lost member: when the job has as many processes as the
+  saved one, the process of the lost member's index (the restarted one,
+  which needs its shards): it pulls every piece from the survivors at once
+  and holds the result, with no second transfer; the holder of the first
+  survivor's parity block publishes the group's sizes and the lost
+  member's manifest beside its offers. Otherwise the first survivor of
+  the group rebuilds it and serves it like any other copy."""
   if not any(parity_only):  # the same plan everywhere: no process rebuilds, none waits
     return {}, None
   topology, collectives, timeout_s = kw["topology"], kw["collectives"], kw["timeout_s"]
-  needed, tasks = set(), []  # survivors to serve; (lost, group processes) to rebuild here
+  me = topology.process_index
+  at_destination = sum(len(procs) for procs in sources) == topology.process_count
+  needed, tasks = set(), []  # survivors to serve; (lost, group processes, rebuilder) here
+  described = {}  # lost member: its group's sizes and manifest, published from here
   for i, procs in enumerate(sources):
     for m in parity_only[i] if i < len(parity_only) else ():
       group = next((g for g in groups[i] if m in g), None)
@@ -278,10 +288,19 @@ def _rebuild(
       members = [procs[pos] for pos in group]
       survivors = [p for pos, p in zip(group, members) if pos != m]
       needed.update(survivors)
-      if (survivors[0], "parity") in files:
+      holder = (survivors[0], "parity") in files
+      if at_destination:
+        if holder:
+          try:
+            described[procs[m]] = _describe(procs[m], members, survivors[0], files, bodies)
+          except (KeyError, TypeError, ValueError) as e:
+            described[procs[m]] = {"error": f"process {me}: group.json ({type(e).__name__}: {e})"}
+        if me == procs[m]:
+          tasks.append((procs[m], members, None))
+      elif holder:
         tasks.append((procs[m], members, survivors[0]))
   serving = {key: buf for key, buf in files.items() if key[0] in needed}
-  payload, error = {}, None
+  payload, error = {f"g{lost}": d for lost, d in described.items()}, None
   if serving:
     try:
       if kw["host"] is None:
@@ -295,27 +314,29 @@ def _rebuild(
         ports=kw["ports"],
       )
       servers.append(server)
-      payload = {f"d{sp}": server.offer() for sp, _ in serving}
+      payload.update({f"d{sp}": server.offer() for sp, _ in serving})
     except OSError as e:
-      payload = {f"d{sp}": {"error": f"cannot listen: {e}"} for sp, _ in serving}
-  wanted = sorted({f"d{p}" for lost, members, _ in tasks for p in members if p != lost})
+      payload.update({f"d{sp}": {"error": f"cannot listen: {e}"} for sp, _ in serving})
+  wanted = {f"d{p}" for lost, members, _ in tasks for p in members if p != lost}
+  wanted.update(f"g{lost}" for lost, _, rebuilder in tasks if rebuilder is None)
   try:
     offers = collectives.exchange_keyed(
-      f"reshard_rebuild_{step}", payload, wanted=wanted, timeout_s=timeout_s
+      f"reshard_rebuild_{step}", payload, wanted=sorted(wanted), timeout_s=timeout_s
     )
   except CollectiveTimeoutError as e:
-    return {}, f"process {topology.process_index}: no address for a rebuild ({e})"
+    return {}, f"process {me}: no address for a rebuild ({e})"
   out = {}
   for lost, members, rebuilder in tasks:
     try:
-      body = bodies[rebuilder]
-      k = len(members)
-      r = members.index(rebuilder)
-      sizes = {i: int(body["sizes"][str(i)]) for i in range(k) if i != r}
-      sizes[r] = len(files[(rebuilder, "data")])
-      manifest = local_format.decode_manifest(
-        bytes.fromhex(body["manifests"][str(members.index(lost))]), "group.json"
+      d = (
+        offers[f"g{lost}"]
+        if rebuilder is None
+        else _describe(lost, members, rebuilder, files, bodies)
       )
+      if "error" in d:
+        raise PeerTransferError(f"no description of the group: {d['error']}")
+      sizes = {int(i): int(n) for i, n in d["sizes"].items()}
+      manifest = local_format.decode_manifest(bytes.fromhex(d["manifest"]), "group.json")
       got = xor_lib.rebuild(
         step,
         lost,
@@ -336,9 +357,20 @@ def _rebuild(
         members,
       )
     except Exception as e:  # noqa: BLE001 - every process must reach the agreement
-      error = f"process {topology.process_index}: rebuilding saved process {lost} ({type(e).__name__}: {e})"
+      error = f"process {me}: rebuilding saved process {lost} ({type(e).__name__}: {e})"
       logger.warning("%s %s", topology.log_prefix(), error)
   return out, error
+
+
+def _describe(lost: int, members, holder: int, files, bodies) -> dict:
+  """What a rebuild of `lost` needs besides the bytes, from the group.json
+  of `holder`'s parity block (held here): every member's shards.bin size
+  ({member index: bytes}) and the lost member's manifest (hex)."""
+  body = bodies[holder]
+  r = members.index(holder)
+  sizes = {str(i): int(body["sizes"][str(i)]) for i in range(len(members)) if i != r}
+  sizes[str(r)] = len(files[(holder, "data")])
+  return {"sizes": sizes, "manifest": body["manifests"][str(members.index(lost))]}
 
 
 def _records(copies: Mapping[int, LocalStep], paths: Sequence[str], unverified) -> dict:
