@@ -62,14 +62,15 @@ def lower_thread_priority() -> None:
 def aligned_empty(nbytes: int) -> np.ndarray:
   """An uninitialised uint8 buffer whose start is page-aligned (so views at
   shards.ALIGN offsets can be aliased by jax CPU arrays without a copy)."""
-  raw = np.empty(nbytes + _PAGE, dtype=np.uint8)
-  start = (-raw.ctypes.data) % _PAGE
-  return raw[start : start + nbytes]
+  return _page_aligned(np.empty(nbytes + _PAGE, dtype=np.uint8), nbytes)
 
 
 def aligned_zeros(nbytes: int) -> np.ndarray:
   """aligned_empty's zeroed twin (calloc's fresh pages: zeroed as faulted in)."""
-  raw = np.zeros(nbytes + _PAGE, dtype=np.uint8)
+  return _page_aligned(np.zeros(nbytes + _PAGE, dtype=np.uint8), nbytes)
+
+
+def _page_aligned(raw: np.ndarray, nbytes: int) -> np.ndarray:
   start = (-raw.ctypes.data) % _PAGE
   return raw[start : start + nbytes]
 

@@ -291,10 +291,7 @@ def _rebuild(
       holder = (survivors[0], "parity") in files
       if at_destination:
         if holder:
-          try:
-            described[procs[m]] = _describe(procs[m], members, survivors[0], files, bodies)
-          except (KeyError, TypeError, ValueError) as e:
-            described[procs[m]] = {"error": f"process {me}: group.json ({type(e).__name__}: {e})"}
+          described[procs[m]] = _describe(procs[m], members, survivors[0], files, bodies)
         if me == procs[m]:
           tasks.append((procs[m], members, None))
       elif holder:
@@ -365,12 +362,16 @@ def _rebuild(
 def _describe(lost: int, members, holder: int, files, bodies) -> dict:
   """What a rebuild of `lost` needs besides the bytes, from the group.json
   of `holder`'s parity block (held here): every member's shards.bin size
-  ({member index: bytes}) and the lost member's manifest (hex)."""
-  body = bodies[holder]
-  r = members.index(holder)
-  sizes = {str(i): int(body["sizes"][str(i)]) for i in range(len(members)) if i != r}
-  sizes[str(r)] = len(files[(holder, "data")])
-  return {"sizes": sizes, "manifest": body["manifests"][str(members.index(lost))]}
+  ({member index: bytes}) and the lost member's manifest (hex); {"error"}
+  if that body lacks them."""
+  try:
+    body = bodies[holder]
+    r = members.index(holder)
+    sizes = {str(i): int(body["sizes"][str(i)]) for i in range(len(members)) if i != r}
+    sizes[str(r)] = len(files[(holder, "data")])
+    return {"sizes": sizes, "manifest": body["manifests"][str(members.index(lost))]}
+  except (KeyError, TypeError, ValueError) as e:
+    return {"error": f"group.json of {holder}'s parity block ({type(e).__name__}: {e})"}
 
 
 def _records(copies: Mapping[int, LocalStep], paths: Sequence[str], unverified) -> dict:
