@@ -89,7 +89,9 @@ class Partner:
 class Xor:
   """This process's XOR group: its parity receiver, and where its chunks go."""
 
-  def __init__(self, options, *, topology, collectives, process_dir: str, host_label: str):
+  def __init__(
+    self, options, *, topology, collectives, process_dir: str, host_label: str, mapped=None
+  ):
     """Called by: every process (two collectives: an assign within the
     slice, which gives each process only its group; exchange_some)."""
     me = topology.process_index
@@ -124,6 +126,7 @@ class Xor:
       timeout_s=options.collective_timeout_s,
       log_prefix=self._prefix,
       ports=options.peer.port_range,
+      mapped=mapped,
     )
     others = [p for p in self.group if p != me]
     self._offers = collectives.exchange_some("xor_offer", self.receiver.offer(), wanted=others)
@@ -152,7 +155,8 @@ def start(
 ) -> Partner | Xor | None:
   """The redundancy link `options.local.redundancy` asks for (None: none).
   `mapped(stat)`: whether a restore mapped that file (the local tier's
-  LocalTier.mapped): a partner copy's file is then never written over.
+  LocalTier.mapped): a partner copy's file or a parity block is then never
+  written over.
   Called by: every process, the same options everywhere."""
   if options.local.redundancy == "none" or topology.process_count == 1:
     return None
@@ -163,6 +167,7 @@ def start(
       collectives=collectives,
       process_dir=process_dir,
       host_label=host_label,
+      mapped=mapped,
     )
   return Partner(
     options,

@@ -251,3 +251,173 @@ def test_xor_rebuild_refuses_bytes_damaged_on_the_wire(tmp_path, monkeypatch):
   finally:
     for s in servers.values():
       s.close()
+
+
+def _xor_group(tmp_path, k: int, keep: int, mapped=None) -> list:
+  return [
+    xor.ParityReceiver(
+      str(tmp_path / f"host_{i}" / f"process_{i}"),
+      "127.0.0.1",
+      member=i,
+      group=list(range(k)),
+      keep=keep,
+      timeout_s=60,
+      log_prefix=f"[m{i}]",
+      mapped=mapped,
+    )
+    for i in range(k)
+  ]
+
+
+def _send_step(tmp_path, receivers, step: int, sizes: list[int]) -> list[bytes]:
+  """Every member's step `step` (fresh random bytes of `sizes`) sent to the
+  group at once; returns the data."""
+  import concurrent.futures  # noqa: PLC0415
+
+  k = len(receivers)
+  offers = {i: r.offer() for i, r in enumerate(receivers)}
+  steps = [
+    _step(str(tmp_path / f"src{step}" / f"host_{i}"), i, n, 100 * step + i, step)
+    for i, n in enumerate(sizes)
+  ]
+  with concurrent.futures.ThreadPoolExecutor(k) as pool:
+    list(
+      pool.map(lambda i: xor.send(offers, list(range(k)), i, steps[i][0], timeout_s=60), range(k))
+    )
+  return [d for _, d in steps]
+
+
+def _block(tmp_path, member: int, step: int) -> tuple[bytes, int, dict]:
+  folder = os.path.join(
+    xor.xor_dir(str(tmp_path / f"host_{member}" / f"process_{member}")), f"step_{step}"
+  )
+  path = os.path.join(folder, xor.PARITY_FILE)
+  with open(path, "rb") as f:
+    return f.read(), os.stat(path).st_ino, xor.read_group(folder)
+
+
+def _spares(tmp_path, member: int) -> list[str]:
+  root = xor.xor_dir(str(tmp_path / f"host_{member}" / f"process_{member}"))
+  return [n for n in os.listdir(root) if n.startswith(".tmp-spare-")]
+
+
+def _wait_for(cond, what: str) -> None:
+  import time  # noqa: PLC0415
+
+  deadline = time.monotonic() + 30
+  while not cond():
+    assert time.monotonic() < deadline, what
+    time.sleep(0.01)
+
+
+def test_xor_blocks_are_written_into_the_retired_block(tmp_path):
+  """Once a step is retired (beyond `keep`), its block file is kept and the
+  next step's chunks are written straight into its pages (the first to
+  reach a byte copied over the old one, the others XORed in): the new
+  block is the same file (inode), and it holds exactly the new parity,
+  also when the block grows or shrinks from one step to the next."""
+  k, keep = 3, 2
+  receivers = _xor_group(tmp_path, k, keep)
+  sizes_of = {
+    1: [4 * MIB, 4 * MIB, 4 * MIB],
+    2: [4 * MIB, 4 * MIB, 4 * MIB],
+    3: [4 * MIB, 4 * MIB, 4 * MIB],
+    4: [6 * MIB + 12, 5 * MIB, 4 * MIB],  # longer blocks than the spare
+    5: [2 * MIB, 3 * MIB + 4, 2 * MIB],  # shorter
+    6: [3 * MIB, 3 * MIB, 3 * MIB],
+  }
+  inodes: dict[tuple[int, int], int] = {}
+  try:
+    for step, sizes in sizes_of.items():
+      if step > keep + 1:  # the step retired after step - 1 is the spare by now
+        _wait_for(lambda: all(_spares(tmp_path, j) for j in range(k)), f"spares before {step}")
+      data = _send_step(tmp_path, receivers, step, sizes)
+      for j in range(k):
+        raw, ino, body = _block(tmp_path, j, step)
+        want = xor_parity.parity(j, data).tobytes()
+        assert raw == want, (step, j)
+        assert body["parity_nbytes"] == len(want) and body["parity_crc32c"] == crc32c.crc32c(raw)
+        inodes[(step, j)] = ino
+  finally:
+    for r in receivers:
+      r.close()
+  for j in range(k):
+    # step 1 retired after step 3 stored: step 4 is written into its file,
+    # step 5 into step 2's, step 6 into step 3's
+    assert [inodes[(s, j)] for s in (4, 5, 6)] == [inodes[(s, j)] for s in (1, 2, 3)], j
+    root = xor.xor_dir(str(tmp_path / f"host_{j}" / f"process_{j}"))
+    steps = sorted(n for n in os.listdir(root) if n.startswith("step_"))
+    assert steps == ["step_5", "step_6"]
+    assert [
+      n for n in os.listdir(root) if n.startswith(".tmp-") and not n.startswith(".tmp-spare-")
+    ] == []
+
+
+def test_a_parity_block_a_restore_mapped_is_never_recycled(tmp_path):
+  """A rebuild maps parity blocks in place (LocalTier.xor_files): such a
+  block is dropped when retired, never zeroed and written over by a later
+  step (what a mapping of step 1's block sees stays step 1's parity)."""
+  k = 2
+  receivers = _xor_group(tmp_path, k, keep=1, mapped=lambda st: True)
+  held = {}
+  try:
+    data = _send_step(tmp_path, receivers, 1, [MIB, MIB])
+    for j in range(k):
+      root = xor.xor_dir(str(tmp_path / f"host_{j}" / f"process_{j}"))
+      held[j] = open(os.path.join(root, "step_1", xor.PARITY_FILE), "rb")  # noqa: SIM115
+    for step in (2, 3, 4):
+      _send_step(tmp_path, receivers, step, [MIB, MIB])
+  finally:
+    for r in receivers:
+      r.close()
+  for j in range(k):
+    with held[j] as f:
+      assert os.pread(f.fileno(), MIB, 0) == xor_parity.parity(j, data).tobytes()
+    assert _spares(tmp_path, j) == []
+
+
+def test_a_torn_chunk_leaves_no_block_and_the_step_can_be_sent_again(tmp_path):
+  """A sender that stops mid-chunk poisons the step's block: its folder is
+  removed, no step is listed, and the same step sent again is stored."""
+  k = 2
+  receivers = _xor_group(tmp_path, k, keep=2)
+  try:
+    where, _ = _step(str(tmp_path / "torn"), 1, 2 * MIB, 5, step=9)
+    short = os.path.join(str(tmp_path), "short.bin")
+    with open(short, "wb") as f:
+      f.write(b"\1" * MIB)
+    header = {
+      "step": 9,
+      "member": 1,
+      "group": [0, 1],
+      "nbytes": 2 * MIB,
+      "length": 2 * MIB,
+      "manifest": open(os.path.join(where, local_format.MANIFEST), "rb").read().hex(),  # noqa: SIM115
+    }
+    with pytest.raises(OSError):
+      from emergency_ckpt.peer import stream  # noqa: PLC0415
+
+      stream.send_file(receivers[0].offer(), header, short, 0, 2 * MIB, timeout_s=30)
+    root = xor.xor_dir(str(tmp_path / "host_0" / "process_0"))
+    _wait_for(  # made for the chunk, then removed with it
+      lambda: os.path.isdir(root) and not os.listdir(root) and not receivers[0]._pending,  # noqa: SLF001
+      "the torn block's folder is gone",
+    )
+    data = _send_step(tmp_path, receivers, 9, [2 * MIB, 2 * MIB])
+    assert _block(tmp_path, 0, 9)[0] == xor_parity.parity(0, data).tobytes()
+  finally:
+    for r in receivers:
+      r.close()
+
+
+def test_a_parity_receiver_removes_what_a_crashed_one_left(tmp_path):
+  """Blocks being received, spares and deletions (`.tmp-*`) of a crashed
+  incarnation go when the next receiver starts; stored steps stay."""
+  root = xor.xor_dir(str(tmp_path / "host_0" / "process_0"))
+  for name in ("step_3", ".tmp-step_4-abcd", ".tmp-spare-0123", ".tmp-delete-step_2-ff"):
+    os.makedirs(os.path.join(root, name))
+    with open(os.path.join(root, name, xor.PARITY_FILE), "wb") as f:
+      f.write(b"x")
+  (receiver,) = _xor_group(tmp_path, 1, keep=2)
+  receiver.close()
+  assert sorted(os.listdir(root)) == ["step_3"]

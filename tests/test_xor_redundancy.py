@@ -43,12 +43,19 @@ def test_each_member_keeps_the_xor_of_the_others_chunks(one_slice, shm_dir):
       data.append(f.read())
   for j in range(4):
     folder = os.path.join(rh.process_dir(args, j), "xor")
-    assert sorted(os.listdir(folder)) == ["step_2", "step_3", "step_4", "step_5"]  # keep + 1
+    names = sorted(os.listdir(folder))
+    steps = [n for n in names if n.startswith("step_")]
+    assert steps == ["step_2", "step_3", "step_4", "step_5"]  # keep + 1
+    # and step 1's block, the spare the next step's chunks are written into
+    (spare,) = [n for n in names if n not in steps]
+    assert spare.startswith(".tmp-spare-")
+    spare_bytes = os.path.getsize(os.path.join(folder, spare, xor_lib.PARITY_FILE))
     body = xor_lib.read_group(os.path.join(folder, "step_5"))
     assert (body["group"], body["member"]) == ([0, 1, 2, 3], j)
     with open(os.path.join(folder, "step_5", xor_lib.PARITY_FILE), "rb") as f:
       block = np.frombuffer(f.read(), np.uint8)
     assert block.tobytes() == xor_parity.parity(j, data).tobytes()
+    assert spare_bytes == len(block)  # every step of this run has one size
     # 1/(k-1) of a step, not a copy
     assert len(block) <= -(-max(len(d) for d in data) // 3)
 

@@ -31,11 +31,13 @@ import concurrent.futures
 import contextlib
 import json
 import logging
+import mmap
 import os
 import shutil
 import socket
+import stat
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import crc32c
 import numpy as np
@@ -73,22 +75,106 @@ def read_group(step_dir: str) -> dict:
   return body
 
 
+class _Block:
+  """A step's parity block while its chunks arrive, added straight into the
+  pages of its file (a shared mapping of `<tmp>/parity.bin`): the receiver's
+  spare (a retired block: its tmpfs pages exist, so nothing is allocated,
+  and nothing is copied into the file at the end) when it keeps one, else a
+  fresh file. Every chunk is sent from its first byte to its last, so the
+  bytes the chunks reached so far are [0, hw): a piece below `hw` is XORed
+  in, one beyond it is copied (over the spare's old bytes: no zeroing)."""
+
+  def __init__(self, tmp: str, reused: bool, length: int):
+    """`reused`: `<tmp>/parity.bin` is a spare (else it is made)."""
+    self.tmp = tmp
+    path = os.path.join(tmp, PARITY_FILE)
+    self._f = open(path, "r+b" if reused else "w+b")  # noqa: SIM115 - closed by finish/discard
+    self._mm: mmap.mmap | None = None
+    self.acc = np.zeros(0, np.uint8)
+    self.hw = 0
+    self.grow(length)
+
+  def add(self, pos: int, data: np.ndarray) -> None:
+    """One piece of a chunk, at `pos` of the block. The caller holds the
+    step's lock and sends each chunk's pieces in order from 0."""
+    end = pos + len(data)
+    split = min(max(self.hw, pos), end)
+    if split > pos:
+      xp.xor_into(self.acc[pos:split], data[: split - pos])
+    if end > split:
+      self.acc[split:end] = data[split - pos :]
+    self.hw = max(self.hw, end)
+
+  def grow(self, length: int) -> None:
+    """At least `length` bytes mapped (a longer file is mapped whole; a
+    shorter one is extended: the kernel zero-fills the new bytes)."""
+    if length <= len(self.acc):
+      return
+    fd = self._f.fileno()
+    size = os.fstat(fd).st_size
+    if size < length:
+      os.ftruncate(fd, length)
+      size = length
+    self._release()
+    self._mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+    self.acc = np.frombuffer(self._mm, np.uint8)
+
+  def _release(self) -> None:
+    mm, self._mm = self._mm, None
+    self.acc = np.zeros(0, np.uint8)
+    if mm is not None:
+      with contextlib.suppress(BufferError):  # a view still alive: the collector closes it
+        mm.close()
+
+  def finish(self, length: int) -> int:
+    """The block's first `length` bytes as the file (longer files are cut),
+    durable (bytes no chunk reached are zero); returns their CRC32C."""
+    self.grow(length)
+    if self.hw < length:
+      self.acc[self.hw : length] = 0
+    crc = crc32c.crc32c(self.acc[:length])
+    self._release()
+    fd = self._f.fileno()
+    if os.fstat(fd).st_size != length:
+      os.ftruncate(fd, length)
+    os.fsync(fd)
+    self._f.close()
+    return crc
+
+  def discard(self) -> None:
+    """Drops the block and its folder (a torn or abandoned step)."""
+    self._release()
+    self._f.close()
+    shutil.rmtree(self.tmp, ignore_errors=True)
+
+
 class _Pending:
   """One step's parity block while its chunks arrive."""
 
   def __init__(self, k: int):
     self.k = k
-    self.acc = np.zeros(0, np.uint8)
+    self.block: _Block | None = None  # made by the first chunk to arrive
     self.seen: dict[int, dict] = {}  # sender's member index -> its header
     self.arriving: set[int] = set()  # members whose chunk is being received
-    self.lock = threading.Lock()  # guards acc
+    self.lock = threading.Lock()  # guards block
     self.done = threading.Event()
     self.error: str | None = None
+
+  def give_up(self, why: str) -> None:
+    """Poisons the step: its block and folder go, every waiting sender is told."""
+    with self.lock:
+      if self.error is None:
+        self.error = why
+      if self.block is not None:
+        self.block.discard()
+        self.block = None
+    self.done.set()
 
 
 class ParityReceiver(stream.Listener):
   """Keeps this member's parity blocks: accumulates the chunks the other
-  members send, writes the block once all k-1 arrived, answers them."""
+  members send, stores the block once all k-1 arrived, answers them, and
+  only then prepares the next step's spare (see _retire)."""
 
   def __init__(
     self,
@@ -101,27 +187,35 @@ class ParityReceiver(stream.Listener):
     timeout_s: float,
     log_prefix: str,
     ports: tuple[int, int] | None = None,
+    mapped: Callable[[os.stat_result], bool] | None = None,
   ):
+    """`mapped(stat)`: whether a restore mapped that file (a rebuild maps
+    parity blocks in place): such a block is never recycled as a spare."""
     self._dir = xor_dir(process_dir)
     self._member, self._group = member, list(group)
     self._keep, self._timeout_s, self._prefix = keep, timeout_s, log_prefix
+    self._mapped = mapped or (lambda st: False)
     self._lock = threading.Lock()
+    self._retire_lock = threading.Lock()
+    self._retires = 0  # stored steps whose _retire has not ended (guarded by _lock)
+    self._idle = threading.Condition(self._lock)
     self._pending: dict[int, _Pending] = {}
+    _cleanup(self._dir)
     self._start(host, ports)
 
   def _handle(self, conn: socket.socket) -> None:
     """One member's chunk of a step; answers once the block is durable."""
+    stored = False
     try:
       header = stream._recv_json(conn)  # noqa: SLF001
-      pending = self._add(header, conn)
+      pending, stored = self._add(header, conn)
       if not pending.done.wait(self._timeout_s):
         with self._lock:  # the step is given up: drop its accumulator
           if self._pending.get(int(header["step"])) is pending:
             del self._pending[int(header["step"])]
-        raise TimeoutError(
-          f"step {header['step']}: chunks of members"
-          f" {sorted(set(range(pending.k)) - {self._member} - set(pending.seen))} never came"
-        )
+        missing = sorted(set(range(pending.k)) - {self._member} - set(pending.seen))
+        pending.give_up(f"step {header['step']}: chunks of members {missing} never came")
+        raise TimeoutError(pending.error)
       if pending.error:
         raise OSError(pending.error)
       stream._send_json(conn, {"ok": True})  # noqa: SLF001
@@ -129,11 +223,15 @@ class ParityReceiver(stream.Listener):
       logger.warning("%s xor: a parity block was not stored: %s", self._prefix, e)
       with contextlib.suppress(OSError):
         stream._send_json(conn, {"error": str(e)})  # noqa: SLF001
+    finally:
+      if stored:  # every sender has its answer: off the save's path
+        self._retire()
 
-  def _add(self, header: dict, conn: socket.socket) -> _Pending:
+  def _add(self, header: dict, conn: socket.socket) -> tuple[_Pending, bool]:
     """Receives one member's chunk from `conn`, XORed into the step's block
     piece by piece as it arrives (each piece still in cache); the last
-    chunk of the step stores the block."""
+    chunk of the step stores the block. Returns (the step's pending block,
+    whether this call stored it)."""
     step, i, k = int(header["step"]), int(header["member"]), len(self._group)
     length = int(header["length"])
     if header["group"] != self._group or i == self._member or not 0 <= i < k:
@@ -144,10 +242,20 @@ class ParityReceiver(stream.Listener):
         raise ValueError(f"member {i} sent step {step} twice")
       pending.arriving.add(i)
     with pending.lock:
-      if length > len(pending.acc):
-        grown = np.zeros(length, np.uint8)
-        grown[: len(pending.acc)] = pending.acc
-        pending.acc = grown
+      if pending.error is not None:
+        raise OSError(pending.error)
+      if pending.block is None:
+        os.makedirs(self._dir, mode=0o700, exist_ok=True)
+        tmp = os.path.join(self._dir, layout.tmp_step_dir_name(step))
+        os.mkdir(tmp, 0o700)
+        try:
+          reused = self._take_spare(os.path.join(tmp, PARITY_FILE))
+          pending.block = _Block(tmp, reused, length)
+        except BaseException:
+          shutil.rmtree(tmp, ignore_errors=True)
+          raise
+      else:
+        pending.block.grow(length)
     view = memoryview(bytearray(min(_PIECE, max(length, 1))))
     piece = np.frombuffer(view, np.uint8)
     pos = 0
@@ -157,14 +265,15 @@ class ParityReceiver(stream.Listener):
         if not n:
           raise ConnectionError(f"connection closed after {pos} of {length} bytes")
         with pending.lock:
-          xp.xor_into(pending.acc[pos:], piece[:n])
+          if pending.block is None:
+            raise OSError(pending.error or f"step {step} was given up")
+          pending.block.add(pos, piece[:n])
         pos += n
     except BaseException:
       with self._lock:  # a torn chunk poisons the step's block: drop it
         if self._pending.get(step) is pending:
           del self._pending[step]
-      pending.error = f"member {i}'s chunk of step {step} was cut off"
-      pending.done.set()
+      pending.give_up(f"member {i}'s chunk of step {step} was cut off")
       raise
     with self._lock:
       pending.arriving.discard(i)
@@ -172,13 +281,14 @@ class ParityReceiver(stream.Listener):
       complete = len(pending.seen) == k - 1 and self._pending.get(step) is pending
       if complete:
         del self._pending[step]
+        self._retires += 1
     if complete:
       try:
         self._store(step, pending)
       except Exception as e:  # noqa: BLE001 - every waiting sender is told
-        pending.error = f"{type(e).__name__}: {e}"
+        pending.give_up(f"{type(e).__name__}: {e}")
       pending.done.set()
-    return pending
+    return pending, complete
 
   def _store(self, step: int, pending: _Pending) -> None:
     headers = pending.seen
@@ -186,36 +296,101 @@ class ParityReceiver(stream.Listener):
     length = xp.block_length(
       [int(headers[i]["nbytes"]) if i in headers else 0 for i in range(pending.k)], self._member
     )
-    block = pending.acc
-    if length > len(block):
-      block = np.zeros(length, np.uint8)
-      block[: len(pending.acc)] = pending.acc
-    body = {
-      "step": step,
-      "group": self._group,
-      "member": self._member,
-      "sizes": sizes,
-      "manifests": {str(i): h["manifest"] for i, h in headers.items()},
-      "parity_nbytes": int(block.nbytes),
-      "parity_crc32c": crc32c.crc32c(block),
-    }
-    os.makedirs(self._dir, mode=0o700, exist_ok=True)
-    tmp = os.path.join(self._dir, layout.tmp_step_dir_name(step))
-    os.mkdir(tmp, 0o700)
+    with pending.lock:
+      block, pending.block = pending.block, None
+    if block is None:
+      raise OSError(pending.error or f"step {step} was given up")
     try:
-      for name, data in (
-        (PARITY_FILE, memoryview(block)),
-        (GROUP_FILE, _signed(body)),
-      ):
-        with open(os.path.join(tmp, name), "wb") as f:
-          f.write(data)
-          f.flush()
-          os.fsync(f.fileno())
-      layout.replace_step(tmp, layout.local_step_dir(self._dir, step))
+      crc = block.finish(length)
+      body = {
+        "step": step,
+        "group": self._group,
+        "member": self._member,
+        "sizes": sizes,
+        "manifests": {str(i): h["manifest"] for i, h in headers.items()},
+        "parity_nbytes": length,
+        "parity_crc32c": crc,
+      }
+      with open(os.path.join(block.tmp, GROUP_FILE), "wb") as f:
+        f.write(_signed(body))
+        f.flush()
+        os.fsync(f.fileno())
+      layout.replace_step(block.tmp, layout.local_step_dir(self._dir, step))
     except BaseException:
-      shutil.rmtree(tmp, ignore_errors=True)
+      block.discard()
       raise
-    layout.drop_steps(self._dir, parity_steps(self._dir)[: -self._keep])
+
+  def _take_spare(self, dest: str) -> bool:
+    """Moves the spare's parity.bin to `dest` (True); spare folders go.
+    False if there is none."""
+    found = False
+    for name in _names(self._dir):
+      if not layout.is_spare_name(name):
+        continue
+      folder = os.path.join(self._dir, name)
+      path = os.path.join(folder, PARITY_FILE)
+      if not found and os.path.isfile(path) and not os.path.islink(path):
+        with contextlib.suppress(OSError):
+          os.rename(path, dest)
+          found = True
+      shutil.rmtree(folder, ignore_errors=True)
+    return found
+
+  def _retire(self) -> None:
+    """Drops the parity steps beyond the newest `keep`, keeping the newest
+    of those as the spare the next step's block is written into (measured
+    on 16 cores: writing a fresh 43 MiB block to tmpfs took 17-35 ms of
+    the save's 60-75 ms of XOR work). Runs after the senders were answered.
+    A block a restore mapped is never reused."""
+    try:
+      self._retire_old()
+    finally:
+      with self._idle:
+        self._retires -= 1
+        self._idle.notify_all()
+
+  def _retire_old(self) -> None:
+    with self._retire_lock:
+      try:
+        old = parity_steps(self._dir)[: -self._keep]
+        if old and not any(layout.is_spare_name(n) for n in _names(self._dir)):
+          path = os.path.join(layout.local_step_dir(self._dir, old[-1]), PARITY_FILE)
+          st = os.stat(path, follow_symlinks=False)
+          if stat.S_ISREG(st.st_mode) and not self._mapped(st):
+            os.rename(
+              layout.local_step_dir(self._dir, old.pop()),
+              os.path.join(self._dir, layout.spare_dir_name()),
+            )
+        layout.drop_steps(self._dir, old)
+      except OSError as e:  # a spare less, or a step left for the next retire
+        logger.warning("%s xor: old parity blocks not retired: %s", self._prefix, e)
+
+  def close(self) -> None:
+    """Stops accepting; waits (up to the timeout) for stored steps' retires
+    (an exiting process leaves no step it meant to drop)."""
+    super().close()
+    with self._idle:
+      self._idle.wait_for(lambda: self._retires == 0, timeout=self._timeout_s)
+
+
+def _names(folder: str) -> list[str]:
+  try:
+    return sorted(os.listdir(folder))
+  except OSError:
+    return []
+
+
+def _cleanup(folder: str) -> None:
+  """Removes what a crashed incarnation left in the xor folder (blocks being
+  received, spares, deletions: `.tmp-*`)."""
+  for name in _names(folder):
+    if layout.is_tmp_name(name):
+      path = os.path.join(folder, name)
+      if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+      else:
+        with contextlib.suppress(OSError):
+          os.unlink(path)
 
 
 def _signed(body: dict) -> bytes:
