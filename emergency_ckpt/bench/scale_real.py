@@ -9,7 +9,9 @@ launched by emergency_ckpt.testing.launcher on this machine), mesh
 x 4, 64 = 16 x 4):
 
   save job     every process saves step 1 to its simulated host's ramdisk
-               (<shm_root>/n<N>/host_<i>) with the persistent tier on
+               (<shm_root>/n<N>/host_<i>; the process's host identity is
+               "sim-host-<i>", as every process of a real job of this shape
+               runs on a host of its own) with the persistent tier on
                <root>/n<N>/persistent (interval 1: the primary slice uploads
                step 1 too), then waits until it is durable.
   restart job  the processes of the last `wipe_slices` slices come up with an
@@ -87,9 +89,12 @@ def _host_dir(args: dict) -> str:
 
 
 def _options(args: dict):
+  import jax  # noqa: PLC0415
+
   import emergency_ckpt as ec  # noqa: PLC0415
 
   return ec.CheckpointManagerOptions(
+    host_id=f"sim-host-{jax.process_index()}",
     local=ec.LocalTierOptions(directory=_host_dir(args), save_interval_steps=1, max_to_keep=2),
     persistent=ec.PersistentTierOptions(
       directory=args["persistent"], save_interval_steps=1, max_to_keep=2
