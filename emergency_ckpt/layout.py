@@ -27,11 +27,13 @@ rules that read storage are in persistent_layout.py.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
+import stat
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from etils import epath
 
@@ -144,7 +146,7 @@ def is_spare_name(name: str) -> bool:
 
 
 # ---- local root: the walker -------------------------------------------------------
-def _names(path: str) -> list[str]:
+def names(path: str) -> list[str]:
   """Sorted entries of a folder; [] if it is absent or not a folder (a
   ramdisk wiped or a gc running beside us)."""
   try:
@@ -170,7 +172,7 @@ def _scan_process(proc_dir: str) -> tuple[dict[int, str], dict[int, str], list[s
   unmarked: dict[int, str] = {}
   tmp: list[str] = []
   strays: list[str] = []
-  for name in _names(proc_dir):
+  for name in names(proc_dir):
     path = os.path.join(proc_dir, name)
     step = step_of_dir_name(name)
     if step is not None and os.path.isfile(manifest_path(path)):
@@ -223,12 +225,12 @@ def walk_local(root: str) -> LocalRootListing:
   otherwise ignored. Tolerates folders vanishing while it walks."""
   processes: list[LocalProcessDir] = []
   strays: list[str] = []
-  for run_id in _names(root):
+  for run_id in names(root):
     run_path = run_dir(root, run_id)
     if not _is_real_dir(run_path):
       strays.append(run_path)
       continue
-    for name in _names(run_path):
+    for name in names(run_path):
       path = os.path.join(run_path, name)
       index = process_of_dir_name(name)
       if index is None or not _is_real_dir(path):
@@ -258,6 +260,63 @@ def replace_step(tmp: str, final: str) -> None:
   if old is not None:
     remove_renamed(old)
   os.rename(tmp, final)
+
+
+def remove_tmp(folder: str, also: Callable[[str], bool] = lambda name: False) -> None:
+  """Removes what a crashed incarnation left in `folder`: saves or receipts
+  in progress, spares and deletions (`.tmp-*`), and entries `also` names;
+  a link goes, never its target."""
+  for name in names(folder):
+    if is_tmp_name(name) or also(name):
+      path = os.path.join(folder, name)
+      if os.path.islink(path) or not os.path.isdir(path):
+        with contextlib.suppress(OSError):
+          os.unlink(path)
+      else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def retire_steps(folder: str, steps, file: str, mapped: Callable[[os.stat_result], bool]) -> None:
+  """Drops these `step_<N>` folders of `folder`, keeping the newest one's as
+  the spare (`.tmp-spare-<hex>`) whose `file` the next step is written
+  into (its tmpfs pages exist: nothing to allocate; measured for the local
+  tier: 0.05 against 0.13 cpu-s per 256 MiB), unless a spare exists
+  or `mapped(stat)` says a restore mapped that file (restored arrays may
+  alias its pages: never written over)."""
+  steps = list(steps)
+  if steps and not any(is_spare_name(n) for n in names(folder)):
+    newest = local_step_dir(folder, steps[-1])
+    with contextlib.suppress(OSError):
+      st = os.stat(os.path.join(newest, file), follow_symlinks=False)
+      if stat.S_ISREG(st.st_mode) and not mapped(st):
+        os.rename(newest, os.path.join(folder, spare_dir_name()))
+        steps.pop()
+  drop_steps(folder, steps)
+
+
+def take_spare(
+  folder: str,
+  file: str,
+  dest: str,
+  mapped: Callable[[os.stat_result], bool],
+  nbytes: int | None = None,
+) -> bool:
+  """Moves a spare's `file` (retire_steps) to `dest` (True): a regular file
+  no restore mapped, of `nbytes` if given. Every spare folder goes. False
+  if none fits."""
+  found = False
+  for name in names(folder):
+    if not is_spare_name(name):
+      continue
+    spare = os.path.join(folder, name)
+    with contextlib.suppress(OSError):
+      st = os.stat(os.path.join(spare, file), follow_symlinks=False)
+      fits = stat.S_ISREG(st.st_mode) and nbytes in (None, st.st_size) and not mapped(st)
+      if not found and fits:
+        os.rename(os.path.join(spare, file), dest)
+        found = True
+    shutil.rmtree(spare, ignore_errors=True)
+  return found
 
 
 def drop_steps(folder: str, steps) -> None:

@@ -49,7 +49,6 @@ save, settings shared with the persistent tier's manager) is not used either.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import dataclasses
 import hashlib
 import json
@@ -429,14 +428,7 @@ class LocalTier:
     """Removes what a crashed incarnation left: saves in progress, spares and
     deletions (`.tmp-*`), and Orbax's own temporary folders
     (`*.orbax-checkpoint-tmp*`, e.g. of a plain Orbax save into this folder)."""
-    for name in os.listdir(self.directory):
-      if layout.is_tmp_name(name) or layout.ORBAX_TMP_MARK in name:
-        path = os.path.join(self.directory, name)
-        if os.path.islink(path) or not os.path.isdir(path):
-          with contextlib.suppress(OSError):
-            os.unlink(path)
-        else:
-          shutil.rmtree(path, ignore_errors=True)
+    layout.remove_tmp(self.directory, also=lambda name: layout.ORBAX_TMP_MARK in name)
 
   # ---- save ----------------------------------------------------------------
   def write_async(

@@ -34,7 +34,6 @@ import mmap
 import os
 import shutil
 import socket
-import stat
 from collections.abc import Callable, Mapping, Sequence
 
 from emergency_ckpt import failpoints, layout, local_format
@@ -127,7 +126,7 @@ class Receiver(stream.Listener):
     try:
       checks = local_format.StreamChecksums(body, tmp)
       path = os.path.join(tmp, local_format.SHARDS)
-      reused = _take_spare(folder, nbytes, path, self._mapped)
+      reused = layout.take_spare(folder, local_format.SHARDS, path, self._mapped, nbytes)
       with open(path, "r+b" if reused else "wb") as f:
         if reused and nbytes:  # measured: 0.39 against 0.48 cpu-s per 4 x 128 MiB
           _receive_mapped(conn, f, nbytes, checks)
@@ -144,54 +143,18 @@ class Receiver(stream.Listener):
     except BaseException:
       shutil.rmtree(tmp, ignore_errors=True)
       raise
-    _retire(folder, layout.list_local_steps(folder)[: -self._keep], self._mapped)
+    retired = layout.list_local_steps(folder)[: -self._keep]
+    layout.retire_steps(folder, retired, local_format.SHARDS, self._mapped)
 
 
 def _cleanup(process_dir: str) -> None:
   """Removes what a crashed incarnation left in the partner folders (steps
   being received, spares, deletions: `.tmp-*`)."""
   root = os.path.join(process_dir, PARTNER_DIR)
-  for name in os.listdir(root) if os.path.isdir(root) else ():
+  for name in layout.names(root):
     folder = os.path.join(root, name)
-    if layout.process_of_dir_name(name) is None or os.path.islink(folder):
-      continue
-    for entry in os.listdir(folder):
-      if layout.is_tmp_name(entry):
-        shutil.rmtree(os.path.join(folder, entry), ignore_errors=True)
-
-
-def _retire(folder: str, steps: Sequence[int], mapped) -> None:
-  """Drops these steps of a sender's folder, keeping the newest one's folder
-  as the spare (`.tmp-spare-<hex>`) whose shards.bin the next step is
-  written over: its tmpfs pages exist, so receiving allocates none
-  (measured for the local tier: 0.05 against 0.13 cpu-s per 256 MiB)."""
-  steps = list(steps)
-  newest = layout.local_step_dir(folder, steps[-1]) if steps else None
-  if newest and not any(layout.is_spare_name(n) for n in os.listdir(folder)):
-    with contextlib.suppress(OSError):
-      if not mapped(os.stat(os.path.join(newest, local_format.SHARDS), follow_symlinks=False)):
-        os.rename(
-          layout.local_step_dir(folder, steps.pop()), os.path.join(folder, layout.spare_dir_name())
-        )
-  layout.drop_steps(folder, steps)
-
-
-def _take_spare(folder: str, nbytes: int, dest: str, mapped) -> bool:
-  """Moves a spare shards.bin of exactly `nbytes` to `dest` (True), removing
-  spares of another size or that a restore mapped; False if none fits."""
-  found = False
-  for name in os.listdir(folder):
-    if not layout.is_spare_name(name):
-      continue
-    spare = os.path.join(folder, name)
-    shards = os.path.join(spare, local_format.SHARDS)
-    with contextlib.suppress(OSError):
-      st = os.stat(shards, follow_symlinks=False)
-      if not found and st.st_size == nbytes and stat.S_ISREG(st.st_mode) and not mapped(st):
-        os.rename(shards, dest)
-        found = True
-    shutil.rmtree(spare, ignore_errors=True)
-  return found
+    if layout.process_of_dir_name(name) is not None and not os.path.islink(folder):
+      layout.remove_tmp(folder)
 
 
 def _receive_mapped(conn: socket.socket, f, nbytes: int, checks) -> None:

@@ -35,7 +35,6 @@ import mmap
 import os
 import shutil
 import socket
-import stat
 import threading
 from collections.abc import Callable, Mapping, Sequence
 
@@ -200,7 +199,7 @@ class ParityReceiver(stream.Listener):
     self._retires = 0  # stored steps whose _retire has not ended (guarded by _lock)
     self._idle = threading.Condition(self._lock)
     self._pending: dict[int, _Pending] = {}
-    _cleanup(self._dir)
+    layout.remove_tmp(self._dir)
     self._start(host, ports)
 
   def _handle(self, conn: socket.socket) -> None:
@@ -249,7 +248,8 @@ class ParityReceiver(stream.Listener):
         tmp = os.path.join(self._dir, layout.tmp_step_dir_name(step))
         os.mkdir(tmp, 0o700)
         try:
-          reused = self._take_spare(os.path.join(tmp, PARITY_FILE))
+          dest = os.path.join(tmp, PARITY_FILE)
+          reused = layout.take_spare(self._dir, PARITY_FILE, dest, self._mapped)
           pending.block = _Block(tmp, reused, length)
         except BaseException:
           shutil.rmtree(tmp, ignore_errors=True)
@@ -320,22 +320,6 @@ class ParityReceiver(stream.Listener):
       block.discard()
       raise
 
-  def _take_spare(self, dest: str) -> bool:
-    """Moves the spare's parity.bin to `dest` (True); spare folders go.
-    False if there is none."""
-    found = False
-    for name in _names(self._dir):
-      if not layout.is_spare_name(name):
-        continue
-      folder = os.path.join(self._dir, name)
-      path = os.path.join(folder, PARITY_FILE)
-      if not found and os.path.isfile(path) and not os.path.islink(path):
-        with contextlib.suppress(OSError):
-          os.rename(path, dest)
-          found = True
-      shutil.rmtree(folder, ignore_errors=True)
-    return found
-
   def _retire(self) -> None:
     """Drops the parity steps beyond the newest `keep`, keeping the newest
     of those as the spare the next step's block is written into (measured
@@ -343,27 +327,15 @@ class ParityReceiver(stream.Listener):
     the save's 60-75 ms of XOR work). Runs after the senders were answered.
     A block a restore mapped is never reused."""
     try:
-      self._retire_old()
+      with self._retire_lock:
+        retired = parity_steps(self._dir)[: -self._keep]
+        layout.retire_steps(self._dir, retired, PARITY_FILE, self._mapped)
+    except OSError as e:  # a step left for the next retire
+      logger.warning("%s xor: old parity blocks not retired: %s", self._prefix, e)
     finally:
       with self._idle:
         self._retires -= 1
         self._idle.notify_all()
-
-  def _retire_old(self) -> None:
-    with self._retire_lock:
-      try:
-        old = parity_steps(self._dir)[: -self._keep]
-        if old and not any(layout.is_spare_name(n) for n in _names(self._dir)):
-          path = os.path.join(layout.local_step_dir(self._dir, old[-1]), PARITY_FILE)
-          st = os.stat(path, follow_symlinks=False)
-          if stat.S_ISREG(st.st_mode) and not self._mapped(st):
-            os.rename(
-              layout.local_step_dir(self._dir, old.pop()),
-              os.path.join(self._dir, layout.spare_dir_name()),
-            )
-        layout.drop_steps(self._dir, old)
-      except OSError as e:  # a spare less, or a step left for the next retire
-        logger.warning("%s xor: old parity blocks not retired: %s", self._prefix, e)
 
   def close(self) -> None:
     """Stops accepting; waits (up to the timeout) for stored steps' retires
@@ -371,26 +343,6 @@ class ParityReceiver(stream.Listener):
     super().close()
     with self._idle:
       self._idle.wait_for(lambda: self._retires == 0, timeout=self._timeout_s)
-
-
-def _names(folder: str) -> list[str]:
-  try:
-    return sorted(os.listdir(folder))
-  except OSError:
-    return []
-
-
-def _cleanup(folder: str) -> None:
-  """Removes what a crashed incarnation left in the xor folder (blocks being
-  received, spares, deletions: `.tmp-*`)."""
-  for name in _names(folder):
-    if layout.is_tmp_name(name):
-      path = os.path.join(folder, name)
-      if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path, ignore_errors=True)
-      else:
-        with contextlib.suppress(OSError):
-          os.unlink(path)
 
 
 def _signed(body: dict) -> bytes:
