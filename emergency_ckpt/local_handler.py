@@ -159,29 +159,43 @@ class LocalShardsRestore(ocp.args.CheckpointArgs):
 
 
 def write_shards(path: str, staged: HostSnapshot) -> list[list[int]]:
-  """pwrite()s every shard of the staged buffer to `path` (created, or a
-  recycled file: every byte a shard needs is overwritten; the padding
-  between shards is never read) and returns each shard's CRC32C, computed
-  on the chunk just written while it is still in cache. Blocks on the writes."""
+  """pwrite()s the staged buffer's first `layout.nbytes` bytes to `path`
+  (created, or a recycled file), the padding between shards included, so
+  the file holds exactly the bytes XOR parity sent from the buffer during
+  the write was made of (redundancy_overlap); returns each shard's CRC32C,
+  computed on the piece just written while it is still in cache. Blocks on
+  the writes."""
   buf = staged.buffer
   nbytes = staged.layout.nbytes
   crash_at = nbytes // 2 if failpoints.armed("local.mid_write", staged.step) else None
+  crcs = [[0] * len(leaf.slots) for leaf in staged.layout.leaves]
+  spans = sorted(
+    (slot.offset, slot.offset + slot.nbytes, i, j)
+    for i, leaf in enumerate(staged.layout.leaves)
+    for j, slot in enumerate(leaf.slots)
+  )
   fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
   try:
-    crcs = []
-    for leaf in staged.layout.leaves:
-      leaf_crcs = []
-      for slot in leaf.slots:
-        crc, pos, end = 0, slot.offset, slot.offset + slot.nbytes
-        while pos < end:
-          piece = buf[pos : min(end, pos + _CHUNK)]
+
+    def write(pos: int, end: int, shard: tuple[int, int] | None) -> None:
+      crc = 0
+      while pos < end:
+        piece = buf[pos : min(end, pos + _CHUNK)]
+        if shard is not None:
           crc = crc32c.crc32c(piece, crc)
-          pos += os.pwrite(fd, piece, pos)
-          if crash_at is not None and pos >= crash_at:
-            failpoints.hit("local.mid_write", staged.step)  # a crash test: half written
-        leaf_crcs.append(crc)
-      crcs.append(leaf_crcs)
-    if os.fstat(fd).st_size != nbytes:  # a new file: its trailing padding
+        pos += os.pwrite(fd, piece, pos)
+        if crash_at is not None and pos >= crash_at:
+          failpoints.hit("local.mid_write", staged.step)  # a crash test: half written
+      if shard is not None:
+        crcs[shard[0]][shard[1]] = crc
+
+    pos = 0
+    for start, end, i, j in spans:
+      write(pos, start, None)  # the padding before the shard
+      write(start, end, (i, j))
+      pos = end
+    write(pos, nbytes, None)
+    if os.fstat(fd).st_size != nbytes:  # a longer recycled file
       os.ftruncate(fd, nbytes)
     os.fsync(fd)  # a no-op on tmpfs, needed on a disk
     return crcs

@@ -57,6 +57,7 @@ PEER_TRANSPORTS = ("stream", "collective")
 
 
 REDUNDANCY = ("none", "partner", "xor")
+REDUNDANCY_OVERLAP_MIN_CPUS = 8  # local.redundancy_overlap=None: overlap from this many cores
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -133,6 +134,17 @@ class LocalTierOptions:
   commit without them if a partner or member is unreachable; the step is
   then not protected against a host loss)."""
 
+  redundancy_overlap: bool | None = None
+  """With "xor": whether a member sends its chunks from the staged snapshot
+  while its local write runs (True), rather than from the written file
+  after it (False); the step's manifest follows each chunk once the write
+  is done, so a step is protected about when it is written instead of a
+  transfer later. It costs CPU beside the local write, on this process and
+  on the members receiving: None (the default) overlaps when this process
+  may run on at least REDUNDANCY_OVERLAP_MIN_CPUS cores (a training host;
+  on a few shared cores the save() stall of the job's other processes
+  would grow). Ignored with "partner" (it sends after the write)."""
+
   def __post_init__(self):
     _require(
       isinstance(self.directory, str) and bool(self.directory),
@@ -164,6 +176,11 @@ class LocalTierOptions:
     _require(
       isinstance(self.redundancy_required, bool),
       f"local.redundancy_required must be true or false, got {self.redundancy_required!r}.",
+    )
+    _require(
+      self.redundancy_overlap is None or isinstance(self.redundancy_overlap, bool),
+      "local.redundancy_overlap must be true, false or null (automatic), got"
+      f" {self.redundancy_overlap!r}.",
     )
 
 

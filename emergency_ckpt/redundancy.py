@@ -13,8 +13,10 @@ every member keeps a parity receiver open and sends each local step's
 chunks to the other members (their addresses: one more collective).
 
 Either way each send runs on the "redundancy" lane, after the local write
-and before this process's state file, so a step commits only once it is
-protected (unless local.redundancy_required is False).
+(XOR with `overlap`: beside it, from the staged snapshot, the manifest
+following once the write is done) and before this process's state file,
+so a step commits only once it is protected (unless
+local.redundancy_required is False).
 
 Called by: the manager (start, close) and the save pipeline (protect).
 """
@@ -22,9 +24,14 @@ Called by: the manager (start, close) and the save pipeline (protect).
 from __future__ import annotations
 
 import logging
+import os
 import time
+from collections.abc import Callable
+
+import numpy as np
 
 from emergency_ckpt import xor_parity
+from emergency_ckpt.options import REDUNDANCY_OVERLAP_MIN_CPUS
 from emergency_ckpt.peer import partner as partner_lib
 from emergency_ckpt.peer import xor as xor_lib
 from emergency_ckpt.topology import peer_host
@@ -68,6 +75,11 @@ class Partner:
     wanted = [] if self.partner is None else [self.partner]
     got = collectives.exchange_some("partner_offer", self.receiver.offer(), wanted=wanted)
     self._offer = got.get(self.partner)
+
+  overlap = False  # sends the written step, after the local write
+
+  def send_failed(self, step: int, why: str) -> None:
+    """Nothing: the partner waits for no one else."""
 
   @property
   def active(self) -> bool:
@@ -130,6 +142,10 @@ class Xor:
     )
     others = [p for p in self.group if p != me]
     self._offers = collectives.exchange_some("xor_offer", self.receiver.offer(), wanted=others)
+    overlap = options.local.redundancy_overlap
+    self.overlap = overlap if overlap is not None else _cpus() >= REDUNDANCY_OVERLAP_MIN_CPUS
+    """Whether chunks go from the staged snapshot during the local write
+    (send_snapshot) rather than from the written file (send)."""
 
   @property
   def active(self) -> bool:
@@ -146,8 +162,49 @@ class Xor:
     )
     return nbytes, time.perf_counter() - t0
 
+  def send_failed(self, step: int, why: str) -> None:
+    """Tells the group this process's local write of `step` failed, so its
+    members drop the step at once (xor.send_failure). Called by: the
+    redundancy lane."""
+    xor_lib.send_failure(
+      self._offers, self.group, self.member, step, why, timeout_s=self._timeout_s
+    )
+
+  def send_snapshot(
+    self,
+    step: int,
+    data: np.ndarray,
+    manifest: Callable[[], bytes],
+    sent: Callable[[], None],
+  ) -> tuple[int, float]:
+    """As send(), from `data`, the staged bytes of `step` its local write is
+    writing meanwhile: `manifest()` blocks until the write is done and
+    returns the step's raw manifest (raising if the write failed: the
+    members then drop the step); `sent()` once the bytes are out (the
+    snapshot may be let go). Called by: the redundancy lane."""
+    t0 = time.perf_counter()
+    nbytes = xor_lib.send_snapshot(
+      self._offers,
+      self.group,
+      self.member,
+      step,
+      data,
+      manifest,
+      timeout_s=self._timeout_s,
+      sent=sent,
+    )
+    return nbytes, time.perf_counter() - t0
+
   def close(self) -> None:
     self.receiver.close()
+
+
+def _cpus() -> int:
+  """The cores this process may run on."""
+  try:
+    return len(os.sched_getaffinity(0))
+  except (AttributeError, OSError):
+    return os.cpu_count() or 1
 
 
 def start(

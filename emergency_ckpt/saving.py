@@ -4,7 +4,9 @@ In save() (the trainer's thread; the only stall):
   copy this process's shards into a host snapshot (staging.py), inside the
   machine-wide staging window; start the background work below.
 In the background (lanes of background.py):
-  local write (every slice, the primary too) -> this process's JSON state
+  local write (every slice, the primary too) -> with local.redundancy, the
+  partner copy or XOR chunks (XOR with overlap: sent from the snapshot
+  beside the write) -> this process's JSON state
   (after the local write, so COMMIT means every process finished its save of
   the step, even a failed one: a peer or the persistent tier may still serve
   it) -> on the primary process, COMMIT once every JSON exists -> retention.
@@ -24,13 +26,15 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 import jax
 
-from emergency_ckpt import checksums, failpoints, persistent_layout, policies
+from emergency_ckpt import checksums, failpoints, local_format, persistent_layout, policies
 from emergency_ckpt import shards as shards_lib
 from emergency_ckpt.background import Background
 from emergency_ckpt.errors import PeerTransferError
@@ -42,6 +46,20 @@ from emergency_ckpt.state_store import StateStore
 from emergency_ckpt.telemetry import EventLog
 
 logger = logging.getLogger("emergency_ckpt")
+
+
+def _once(fn: Callable[[], None]) -> Callable[[], None]:
+  """`fn`, run by the first call only."""
+  lock = threading.Lock()
+  left = [fn]
+
+  def call() -> None:
+    with lock:
+      todo = left.pop() if left else None
+    if todo is not None:
+      todo()
+
+  return call
 
 
 def tiers_of(decision: policies.SaveDecision) -> list[str]:
@@ -174,12 +192,28 @@ class SavePipeline:
       nbytes = 0
       if decision.local:
         nbytes = snapshot.layout.nbytes
-        self._background.track(
-          self._local.write_async(
-            snapshot,
-            on_done=lambda r: self._after_local(r, data_state, sums, decision.persistent),
-          )
+        link = self._redundancy
+        early = link is not None and link.active and link.overlap
+        # XOR overlap: the chunks go from the snapshot beside the write
+        hold = _once(snapshot.hold()) if early else None  # before the write frees it
+        write = self._local.write_async(
+          snapshot,
+          on_done=lambda r: self._after_local(
+            r, data_state, sums, decision.persistent, early=early
+          ),
         )
+        self._background.track(write)
+        if early:
+          self._background.submit(
+            "redundancy",
+            self._protect_early,
+            snapshot,
+            hold,
+            write,
+            data_state,
+            sums,
+            decision.persistent,
+          )
       else:
         if snapshot is not None:
           snapshot.release()
@@ -222,10 +256,20 @@ class SavePipeline:
     data_state: dict | None,
     sums: _Checksums | None,
     persistent: bool = False,
+    *,
+    early: bool = False,
   ) -> None:
+    """`early`: the redundancy lane already sends the step (_protect_early)
+    and queues its state."""
     self.durable(result.step, "local", result.nbytes, result.error)
     link = self._redundancy
-    if result.ok and link is not None and link.active:
+    if early:
+      pass
+    elif link is not None and link.active and not result.ok:
+      # the group does not wait for this process's chunks until its timeout
+      self._background.submit("redundancy", link.send_failed, result.step, result.error or "")
+      self._queue_state(result.step, data_state, sums)
+    elif result.ok and link is not None and link.active:
       # The partner's copy first, then the state file: the step commits
       # once its partner holds it.
       self._background.submit(
@@ -239,29 +283,88 @@ class SavePipeline:
   def _protect(
     self, step: int, data_state: dict | None, sums: _Checksums | None, persistent: bool
   ) -> None:
-    """On the redundancy lane: sends the step to the partner, then queues
-    the state file; if the partner did not store it and redundancy is
-    required, the state is never written, so the step never commits,
-    unless it is a persistent step (the persistent tier holds it: it
-    commits, its local copy unprotected)."""
+    """On the redundancy lane: sends the written step to the partner or
+    the XOR group, then _protected."""
+    nbytes, error = None, None
     try:
       nbytes, _ = self._redundancy.send(self._local.step_dir(step))
     except (OSError, PeerTransferError) as e:
-      self.durable(step, self._options.local.redundancy, None, f"{type(e).__name__}: {e}")
+      error = e
+    self._protected(step, nbytes, error, data_state, sums, persistent)
+
+  def _protect_early(
+    self,
+    snapshot: HostSnapshot,
+    hold: Callable[[], None],
+    write: concurrent.futures.Future,
+    data_state: dict | None,
+    sums: _Checksums | None,
+    persistent: bool,
+  ) -> None:
+    """On the redundancy lane, beside the local write `write` of `snapshot`
+    (held by `hold` until its bytes are sent): sends the XOR chunks from
+    the snapshot, each followed by the manifest once the write is done;
+    then, as after a write (_after_local), the state file: not if the
+    write raised, unprotected if it failed, else _protected."""
+    step = snapshot.step
+
+    def manifest() -> bytes:  # the senders' trailer: waits for the write
+      result = write.result()
+      if not result.ok:
+        raise OSError(f"the local write failed: {result.error}")
+      with open(os.path.join(self._local.step_dir(step), local_format.MANIFEST), "rb") as f:
+        return f.read()
+
+    nbytes, error = None, None
+    try:
+      snapshot.wait_filled()
+      snapshot.wait_others_staged()
+      data = snapshot.buffer[: snapshot.layout.nbytes]
+      nbytes, _ = self._redundancy.send_snapshot(step, data, manifest, hold)
+    except (OSError, PeerTransferError) as e:
+      error = e
+    finally:
+      hold()
+    try:
+      result = write.result()
+    except Exception:  # noqa: BLE001 - raised (and reported) by the write's own future
+      return
+    if not result.ok:  # as _after_local: the state still says the save ended
+      self._queue_state(step, data_state, sums)
+      return
+    self._protected(step, nbytes, error, data_state, sums, persistent)
+
+  def _protected(
+    self,
+    step: int,
+    nbytes: int | None,
+    error: Exception | None,
+    data_state: dict | None,
+    sums: _Checksums | None,
+    persistent: bool,
+  ) -> None:
+    """After the redundancy send of a written step: queues the state file;
+    if the copy or parity was not stored (`error`) and redundancy is
+    required, the state is never written, so the step never commits,
+    unless it is a persistent step (the persistent tier holds it: it
+    commits, its local copy unprotected)."""
+    scheme = self._options.local.redundancy
+    if error is not None:
+      self.durable(step, scheme, None, f"{type(error).__name__}: {error}")
       if self._options.local.redundancy_required and not persistent:
         logger.error(
           "%s step %d will not commit: its %s copy was not stored (%s);"
           " local.redundancy_required=False lets steps commit without it",
           self._topology.log_prefix(),
           step,
-          self._options.local.redundancy,
-          e,
+          scheme,
+          error,
         )
         if sums is not None:
           sums.let_go()
         return
     else:
-      self.durable(step, self._options.local.redundancy, nbytes)
+      self.durable(step, scheme, nbytes)
     self._queue_state(step, data_state, sums, written=True)
 
   def _queue_state(

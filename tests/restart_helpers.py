@@ -24,8 +24,8 @@ def save_run(root: str, processes: int, slices: int, **extra) -> dict:
     "local_keep": 3,
     **extra,
   }
-  run_job("tests.scenarios:save_steps", processes, args, timeout_s=240).check()
-  return args
+  saved = run_job("tests.scenarios:save_steps", processes, args, timeout_s=240).check()
+  return {**args, "overlap": sorted({r["overlap"] for r in saved}, key=str)}
 
 
 def copy_run(saved: dict, dest: str) -> dict:

@@ -114,6 +114,7 @@ def options(args: dict) -> ec.CheckpointManagerOptions:
       save_interval_steps=args.get("local_interval", 1),
       max_to_keep=args.get("local_keep", 2),
       redundancy=args.get("redundancy", "none"),
+      redundancy_overlap=args.get("redundancy_overlap"),
     ),
     persistent=ec.PersistentTierOptions(
       directory=args["persistent"],
@@ -165,6 +166,8 @@ def save_steps(args: dict) -> dict:
       "local_dir": mngr.local_directory,
       "orbax_all_gathers": _orbax_all_gathers(),
       "upload": [mngr._saves._upload_snapshots, mngr._saves._upload_memory_kind],  # noqa: SLF001
+      # XOR chunks sent from the snapshot during the local write
+      "overlap": getattr(mngr._redundancy, "overlap", None),  # noqa: SLF001
     }
 
 

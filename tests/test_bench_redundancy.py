@@ -36,6 +36,8 @@ def test_tiny_redundancy_benchmark_reports_every_row(tmp_path):
       "1",
       "--fg-iters",
       "1",
+      "--overlap",
+      "on",  # XOR from the snapshot beside the write (auto: off on few cores)
     ],
     capture_output=True,
     text=True,
@@ -57,6 +59,7 @@ def test_tiny_redundancy_benchmark_reports_every_row(tmp_path):
       "stall_ratio",
       "redundant_durable_s",
       "durable_ratio",
+      "durable_vs_none_ratio",
       "state_durable_s",
       "ramdisk_extra_bytes",
       "ramdisk_extra_ratio",
@@ -86,6 +89,7 @@ def test_tiny_redundancy_benchmark_reports_every_row(tmp_path):
     assert checks["sources"][f"{s}/intact"] == ["kept:local"], checks
   per_process = [r for p in doc["processes"] for r in p["restores"]]
   assert per_process and all(r["mismatched_shards"] == 0 for r in per_process)
+  assert doc["config"]["xor_overlap"] == [True]
   md = (out / "results.md").read_text()
   for s in schemes:
     assert f"## {s}" in md

@@ -260,6 +260,26 @@ def test_files_are_exactly_local_format(tier, state):
   assert local_format.verify_step_dir(where) == (body, [])
 
 
+def test_the_file_holds_the_staged_buffer_byte_for_byte(tier, state):
+  """The padding between shards is written from the staged buffer too, so
+  the file equals the bytes XOR parity sent from the buffer during the
+  write (local.redundancy_overlap) even when a reused buffer's padding is
+  not zero (here: scribbled over after staging)."""
+  staged = tier.stage(3, state)
+  layout = staged.layout
+  shard_bytes = np.zeros(layout.nbytes, bool)
+  for leaf in layout.leaves:
+    for slot in leaf.slots:
+      shard_bytes[slot.offset : slot.offset + slot.nbytes] = True
+  assert not shard_bytes.all(), "this state's layout has padding"
+  staged.buffer[: layout.nbytes][~shard_bytes] = 0xA5
+  want = staged.buffer[: layout.nbytes].tobytes()
+  assert tier.tier.write_async(staged).result().ok
+  with open(os.path.join(tier.tier.step_dir(3), local_format.SHARDS), "rb") as f:
+    assert f.read() == want
+  assert local_format.verify_step_dir(tier.tier.step_dir(3))[1] == []
+
+
 def test_a_recycled_spare_is_written_in_place(tier, state):
   """Retention keeps a retired step's shards.bin as a spare; the next save's
   handler moves that very file (same inode) into Orbax's temporary folder

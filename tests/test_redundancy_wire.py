@@ -382,7 +382,6 @@ def test_a_torn_chunk_leaves_no_block_and_the_step_can_be_sent_again(tmp_path):
   k = 2
   receivers = _xor_group(tmp_path, k, keep=2)
   try:
-    where, _ = _step(str(tmp_path / "torn"), 1, 2 * MIB, 5, step=9)
     short = os.path.join(str(tmp_path), "short.bin")
     with open(short, "wb") as f:
       f.write(b"\1" * MIB)
@@ -392,7 +391,6 @@ def test_a_torn_chunk_leaves_no_block_and_the_step_can_be_sent_again(tmp_path):
       "group": [0, 1],
       "nbytes": 2 * MIB,
       "length": 2 * MIB,
-      "manifest": open(os.path.join(where, local_format.MANIFEST), "rb").read().hex(),  # noqa: SIM115
     }
     with pytest.raises(OSError):
       from emergency_ckpt.peer import stream  # noqa: PLC0415
@@ -421,3 +419,194 @@ def test_a_parity_receiver_removes_what_a_crashed_one_left(tmp_path):
   (receiver,) = _xor_group(tmp_path, 1, keep=2)
   receiver.close()
   assert sorted(os.listdir(root)) == ["step_3"]
+
+
+def _send_snapshots(receivers, step: int, data: list[bytes], manifest, sent) -> list:
+  """Every member sends `data[i]` from memory (xor.send_snapshot) at once,
+  `manifest(i)` its trailer and `sent(i)` its callback; returns each
+  member's result (bytes sent, or the exception raised)."""
+  import concurrent.futures  # noqa: PLC0415
+
+  k = len(receivers)
+  offers = {i: r.offer() for i, r in enumerate(receivers)}
+
+  def one(i: int):
+    try:
+      return xor.send_snapshot(
+        offers,
+        list(range(k)),
+        i,
+        step,
+        np.frombuffer(data[i], np.uint8),
+        lambda: manifest(i),
+        timeout_s=60,
+        sent=lambda: sent(i),
+      )
+    except Exception as e:  # noqa: BLE001 - returned to the test
+      return e
+
+  with concurrent.futures.ThreadPoolExecutor(k) as pool:
+    return list(pool.map(one, range(k)))
+
+
+def test_xor_chunks_go_from_memory_while_the_step_is_written(tmp_path):
+  """redundancy_overlap: each member's chunks go from the staged bytes
+  before its local write is done (the manifest, each chunk's trailer,
+  blocks until then): every member's bytes are out (`sent`, once each)
+  while every manifest is still waited for; the blocks then hold exactly
+  the parity and group.json each member's manifest."""
+  import threading  # noqa: PLC0415
+
+  k, step = 3, 4
+  receivers = _xor_group(tmp_path, k, keep=2)
+  steps = [
+    _step(str(tmp_path / "src" / f"host_{i}"), i, 3 * MIB + 8 * i, 40 + i, step) for i in range(k)
+  ]
+  raws = []
+  for where, _ in steps:
+    with open(os.path.join(where, local_format.MANIFEST), "rb") as f:
+      raws.append(f.read())
+  written = threading.Event()
+  sent = [0] * k
+  lock = threading.Lock()
+
+  def on_sent(i: int) -> None:
+    with lock:
+      sent[i] += 1
+
+  def manifest(i: int) -> bytes:
+    assert written.wait(60), "the manifest was never released"
+    return raws[i]
+
+  import concurrent.futures  # noqa: PLC0415
+
+  try:
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+      fut = pool.submit(_send_snapshots, receivers, step, [d for _, d in steps], manifest, on_sent)
+      _wait_for(lambda: all(sent), "every member's bytes out before its write is done")
+      written.set()
+      got = fut.result(timeout=60)
+    assert got == [len(steps[i][1]) for i in range(k)], got
+    assert sent == [1] * k
+    for j in range(k):
+      raw, _, body = _block(tmp_path, j, step)
+      assert raw == xor_parity.parity(j, [d for _, d in steps]).tobytes(), j
+      assert body["manifests"] == {str(i): raws[i].hex() for i in range(k) if i != j}
+  finally:
+    written.set()
+    for r in receivers:
+      r.close()
+
+
+def test_a_member_whose_write_failed_drops_the_step_at_once(tmp_path):
+  """With redundancy_overlap, a member whose local write fails sends the
+  error instead of its manifest: the members it sent to drop the step's
+  block and answer every sender with an error at once (not after the
+  timeout); the step is stored by no member that lacks a chunk, and sent
+  again it is stored."""
+  import time  # noqa: PLC0415
+
+  k, step = 3, 6
+  receivers = _xor_group(tmp_path, k, keep=2)
+  steps = [_step(str(tmp_path / "src" / f"host_{i}"), i, 2 * MIB, 60 + i, step) for i in range(k)]
+  raws = []
+  for where, _ in steps:
+    with open(os.path.join(where, local_format.MANIFEST), "rb") as f:
+      raws.append(f.read())
+
+  def manifest(i: int) -> bytes:
+    if i == 1:
+      raise OSError("No space left on device")
+    return raws[i]
+
+  try:
+    t0 = time.monotonic()
+    got = _send_snapshots(receivers, step, [d for _, d in steps], manifest, lambda i: None)
+    assert time.monotonic() - t0 < 30  # the receivers' timeout is 60 s
+    for i, r in enumerate(got):
+      assert isinstance(r, PeerTransferError), (i, r)
+    assert "No space left on device" in str(got[0])
+    for j in (0, 2):  # member 1's chunk reached these
+      root = xor.xor_dir(str(tmp_path / f"host_{j}" / f"process_{j}"))
+      _wait_for(
+        lambda root=root: not any(n.startswith(("step_", ".tmp-step")) for n in os.listdir(root)),
+        f"member {j}: no block",
+      )
+    ok = _send_snapshots(receivers, step, [d for _, d in steps], lambda i: raws[i], lambda i: None)
+    assert ok == [2 * MIB] * k, ok
+    for j in range(k):
+      assert _block(tmp_path, j, step)[0] == xor_parity.parity(j, [d for _, d in steps]).tobytes()
+  finally:
+    for r in receivers:
+      r.close()
+
+
+def test_a_member_whose_write_failed_tells_its_group_after_the_write(tmp_path):
+  """Sending after the write (no overlap), a member whose local write
+  failed sends an empty chunk with the error (xor.send_failure): the
+  others' sends fail at once instead of after the receivers' timeout."""
+  import concurrent.futures  # noqa: PLC0415
+  import time  # noqa: PLC0415
+
+  k, step = 3, 8
+  receivers = _xor_group(tmp_path, k, keep=2)
+  offers = {i: r.offer() for i, r in enumerate(receivers)}
+  steps = [_step(str(tmp_path / "src" / f"host_{i}"), i, MIB, 80 + i, step) for i in range(k)]
+
+  def one(i: int):
+    try:
+      if i == 1:
+        return xor.send_failure(offers, list(range(k)), 1, step, "disk full", timeout_s=60)
+      return xor.send(offers, list(range(k)), i, steps[i][0], timeout_s=60)
+    except Exception as e:  # noqa: BLE001 - returned to the test
+      return e
+
+  try:
+    t0 = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(k) as pool:
+      got = list(pool.map(one, range(k)))
+    assert time.monotonic() - t0 < 30  # the receivers' timeout is 60 s
+    assert got[1] is None
+    for i in (0, 2):
+      assert isinstance(got[i], PeerTransferError) and "disk full" in str(got[i]), got[i]
+  finally:
+    for r in receivers:
+      r.close()
+
+
+def test_a_chunk_of_a_step_given_up_is_refused_and_a_new_attempt_stored(tmp_path):
+  """After member 1 said its write of the step failed, member 2's chunk of
+  that step (arriving later) is answered with the error at once, not kept
+  waiting for member 1's chunk until the timeout; the step sent again by
+  both is stored."""
+  import time  # noqa: PLC0415
+
+  k, step = 3, 9
+  receivers = _xor_group(tmp_path, k, keep=2)
+  offers = {i: r.offer() for i, r in enumerate(receivers)}
+  group = list(range(k))
+  steps = [_step(str(tmp_path / "src" / f"host_{i}"), i, MIB, 90 + i, step) for i in range(k)]
+  try:
+    xor.send_failure(offers, group, 1, step, "disk full", timeout_s=60)
+    import concurrent.futures  # noqa: PLC0415
+
+    def late(i: int):
+      try:
+        return xor.send(offers, group, i, steps[i][0], timeout_s=60)
+      except PeerTransferError as e:
+        return e
+
+    t0 = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+      got = list(pool.map(late, (0, 2)))
+    assert time.monotonic() - t0 < 30  # the receivers' timeout is 60 s
+    assert all(isinstance(e, PeerTransferError) and "disk full" in str(e) for e in got), got
+    data = [d for _, d in steps]
+    with concurrent.futures.ThreadPoolExecutor(k) as pool:
+      got = list(pool.map(lambda i: xor.send(offers, group, i, steps[i][0], timeout_s=60), group))
+    assert got == [MIB] * k
+    for j in range(k):
+      assert _block(tmp_path, j, step)[0] == xor_parity.parity(j, data).tobytes()
+  finally:
+    for r in receivers:
+      r.close()

@@ -25,18 +25,30 @@ from tests import restart_helpers as rh
 from tests.conftest import _fresh_shm_dir
 
 
-def _save(root: str, processes: int, slices: int) -> dict:
-  return rh.save_run(root, processes, slices, redundancy="xor", sim_hosts=True)
+def _save(root: str, processes: int, slices: int, **extra) -> dict:
+  return rh.save_run(root, processes, slices, redundancy="xor", sim_hosts=True, **extra)
 
 
 @pytest.fixture(scope="module")
 def one_slice():
+  # (on this machine's few cores the chunks go after the local write)
   for root in _fresh_shm_dir("ectest-xor-"):
-    yield _save(root, 4, 1)
+    yield _save(root, 4, 1, redundancy_overlap=False)
 
 
-def test_each_member_keeps_the_xor_of_the_others_chunks(one_slice, shm_dir):
-  args = rh.copy_run(one_slice, shm_dir)
+@pytest.fixture(scope="module")
+def overlapped():
+  """As one_slice, the chunks sent from the staged snapshot during the
+  local write (local.redundancy_overlap, as on a many-core host)."""
+  for root in _fresh_shm_dir("ectest-xor-overlap-"):
+    yield _save(root, 4, 1, redundancy_overlap=True)
+
+
+@pytest.mark.parametrize("run", ["one_slice", "overlapped"])
+def test_each_member_keeps_the_xor_of_the_others_chunks(run, request, shm_dir):
+  saved = request.getfixturevalue(run)
+  assert saved["overlap"] == [run == "overlapped"]  # every process took that path
+  args = rh.copy_run(saved, shm_dir)
   data = []
   for p in range(4):
     with open(os.path.join(rh.process_dir(args, p), "step_5", "shards.bin"), "rb") as f:
@@ -61,7 +73,17 @@ def test_each_member_keeps_the_xor_of_the_others_chunks(one_slice, shm_dir):
 
 
 def test_a_lost_host_is_rebuilt_from_its_group(one_slice, shm_dir, fault_matrix):
-  args = rh.copy_run(one_slice, shm_dir)
+  _a_lost_host_is_rebuilt(one_slice, shm_dir, fault_matrix)
+
+
+def test_a_lost_host_is_rebuilt_from_parity_sent_during_the_write(
+  overlapped, shm_dir, fault_matrix
+):
+  _a_lost_host_is_rebuilt(overlapped, shm_dir, fault_matrix)
+
+
+def _a_lost_host_is_rebuilt(saved: dict, shm_dir: str, fault_matrix) -> None:
+  args = rh.copy_run(saved, shm_dir)
   rh.wipe_hosts(args, 1)
   got = rh.restart(args, 4, 1)
   fault_matrix.check(

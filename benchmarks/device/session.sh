@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # One lent GPU session's measurements, run from the repository root on the
 # device machine (16 cores, one NVIDIA GPU, jax and tensorstore in its image):
-#   device_stall (save stall with real device-to-host copies), then, on the
-#   same quiet 16-core host, the CPU benchmarks whose targets are ratios
-#   (issue 17: --managers emergency_ckpt; issue 18: bench.redundancy),
-#   repeated while the time budget lasts. Everything lands in $OUT/all.tgz
+#   with STALL=1 device_stall (save stall with real device-to-host copies),
+#   then, on the same quiet 16-core host, the CPU benchmarks whose targets
+#   are ratios (issue 18: bench.redundancy, XOR overlap on and off in turn;
+#   issue 17: --managers emergency_ckpt once), while the time budget lasts. Everything lands in $OUT/all.tgz
 #   and $OUT/console.log (the tool returns at most 8 files).
 # Wheels for what the machine's image lacks (orbax-checkpoint 0.12.8, crc32c)
 # travel in .whl (ignored by git; `pip download --no-deps --only-binary=:all:
@@ -38,12 +38,18 @@ part() {  # part NAME LIMIT_S CMD...: runs CMD if LIMIT_S still fits the budget
 { nvidia-smi -L; nproc; free -g | head -2; df -h /dev/shm /tmp | tail -2
   $PY -c "import jax, orbax.checkpoint as o, tensorstore as t; print('jax', jax.__version__, 'orbax', o.__version__, 'ts', t.__version__, jax.devices())"
 } 2>&1
-part stall "${STALL_S:-200}" $PY -m emergency_ckpt.bench.device_stall --out "$RES/stall" \
-  --mib "${STALL_MIB:-4096}" --reps 3 ${STALL_ARGS:-}
+if [ -n "${STALL:-}" ]; then  # measured in two sessions already (README: On a GPU)
+  part stall "${STALL_S:-200}" $PY -m emergency_ckpt.bench.device_stall --out "$RES/stall" \
+    --mib "${STALL_MIB:-4096}" --reps 3 ${STALL_ARGS:-}
+fi
+# issue 18: XOR chunks beside the local write (the default on 16 cores) and
+# after it, alternately, three pairs
 for i in 1 2 3; do
   part "redundancy$i" "${RED_S:-120}" $PY -m emergency_ckpt.bench.redundancy --out "$RES/redundancy$i"
-  part "persistent$i" "${MAIN_S:-120}" $PY -m emergency_ckpt.bench --managers emergency_ckpt \
-    --out "$RES/persistent$i"
+  part "redundancy-off$i" "${RED_S:-120}" $PY -m emergency_ckpt.bench.redundancy \
+    --out "$RES/redundancy-off$i" --overlap off
 done
+part persistent "${MAIN_S:-120}" $PY -m emergency_ckpt.bench --managers emergency_ckpt \
+  --out "$RES/persistent"
 find "$RES" -name '*.npy' -delete
 tar czf "${OUT:-/tmp}/all.tgz" -C "$RES" . && ls -la "${OUT:-/tmp}/all.tgz"

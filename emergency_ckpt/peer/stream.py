@@ -48,7 +48,7 @@ import secrets
 import socket
 import struct
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -66,6 +66,7 @@ MAGIC = b"ECPEER1\n"
 TOKEN_BYTES = 32
 _MAX_HEADER = 64 << 20  # a request or reply header (JSON) larger than this is refused
 _LEN = struct.Struct("!I")
+_SEND_PIECE = 4 << 20  # bytes per send() call of send_buffer
 
 
 def settle(sock: socket.socket, timeout_s: float) -> None:
@@ -342,14 +343,22 @@ def connect(offer: dict, *, timeout_s: float):
 
 
 def send_file(
-  offer: dict, header: dict, path: str, offset: int, length: int, *, timeout_s: float
+  offer: dict,
+  header: dict,
+  path: str,
+  offset: int,
+  length: int,
+  *,
+  timeout_s: float,
+  trailer: Callable[[], dict] | None = None,
 ) -> dict:
-  """Connects to a Listener (its `offer`), sends `header` (JSON) and then
-  bytes [offset, offset + length) of the file at `path`, and returns the
-  JSON answer. os.sendfile on the blocking socket settle() made: one call
-  sends the range (the kernel waits whenever the send buffer is full;
-  socket.sendfile would wait without a limit once the kernel's timeout
-  expired). Raises OSError (TimeoutError if the receiver stops reading)."""
+  """Connects to a Listener (its `offer`), sends `header` (JSON), bytes
+  [offset, offset + length) of the file at `path`, then `trailer()` (JSON)
+  if given, and returns the JSON answer. os.sendfile on the blocking socket
+  settle() made: one call sends the range (the kernel waits whenever the
+  send buffer is full; socket.sendfile would wait without a limit once the
+  kernel's timeout expired). Raises OSError (TimeoutError if the receiver
+  stops reading)."""
   with open(path, "rb") as f, connect(offer, timeout_s=timeout_s) as sock:
     _send_json(sock, header)
     sent = 0
@@ -365,6 +374,37 @@ def send_file(
       sent += n
     if sent != length:
       raise ConnectionError(f"the receiver stopped reading after {sent} of {length} bytes")
+    if trailer is not None:
+      _send_json(sock, trailer())
+    return _recv_json(sock)
+
+
+def send_buffer(
+  offer: dict,
+  header: dict,
+  data: np.ndarray,
+  *,
+  timeout_s: float,
+  trailer: Callable[[], dict],
+  sent: Callable[[], None] = lambda: None,
+) -> dict:
+  """As send_file, from memory: `header`, the bytes of the contiguous uint8
+  array `data`, then `sent()` (the caller may let go of `data`) and
+  `trailer()` (JSON; it may block, e.g. until the file those bytes are
+  written to is complete), and returns the JSON answer. Raises OSError."""
+  view = memoryview(data)
+  with connect(offer, timeout_s=timeout_s) as sock:
+    _send_json(sock, header)
+    pos = 0
+    while pos < len(view):
+      try:
+        pos += sock.send(view[pos : pos + _SEND_PIECE])
+      except BlockingIOError:  # SO_SNDTIMEO expired with nothing sent
+        raise TimeoutError(
+          f"{_peer(sock)} read none of the last bytes within the timeout"
+        ) from None
+    sent()
+    _send_json(sock, trailer())
     return _recv_json(sock)
 
 

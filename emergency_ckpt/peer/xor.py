@@ -1,10 +1,13 @@
 """XOR parity redundancy (local.redundancy = "xor"): sending chunks to the
 group, keeping parity blocks, and rebuilding a lost member at restore.
 
-Save: after its local write, member i of a group of k sends chunk
-`assigned(i, j)` of its shards.bin (os.sendfile of a byte range) to every
-other member j (xor_parity.py). Member j's receiver XORs the k-1 chunks of
-a step into one block and writes
+Save: member i of a group of k sends chunk `assigned(i, j)` of its
+shards.bin to every other member j (xor_parity.py): after its local write
+(send: os.sendfile of a byte range), or beside it from the staged snapshot
+the file is written from (send_snapshot, local.redundancy_overlap); the
+step's manifest follows each chunk once the write is done (or the error
+that ended it: the members then drop the step). Member j's receiver XORs
+the k-1 chunks of a step into one block and writes
   <process dir of j>/xor/step_<N>/parity.bin   the parity block
   <process dir of j>/xor/step_<N>/group.json   the group, every member's size
                                                 and manifest, the block's CRC32C
@@ -52,6 +55,7 @@ logger = logging.getLogger("emergency_ckpt")
 XOR_DIR = layout.XOR_DIR
 PARITY_FILE = "parity.bin"
 GROUP_FILE = "group.json"
+_GIVEN_UP_KEPT = 16  # steps given up whose late chunks are still refused
 _PIECE = 4 << 20  # received in one call (stream.recv_some), XORed while in cache
 
 
@@ -147,6 +151,10 @@ class _Block:
     shutil.rmtree(self.tmp, ignore_errors=True)
 
 
+class _NotWritten(OSError):
+  """A member's local write of the step failed (its chunk's trailer)."""
+
+
 class _Pending:
   """One step's parity block while its chunks arrive."""
 
@@ -199,6 +207,11 @@ class ParityReceiver(stream.Listener):
     self._retires = 0  # stored steps whose _retire has not ended (guarded by _lock)
     self._idle = threading.Condition(self._lock)
     self._pending: dict[int, _Pending] = {}
+    # Steps given up, until every member's chunk of that attempt came:
+    # step -> (why, the members that came). A late chunk is refused at once
+    # (rather than starting a step that waits for a chunk already given up);
+    # a chunk of a member that came is a new attempt.
+    self._given_up: dict[int, tuple[str, set[int]]] = {}
     layout.remove_tmp(self._dir)
     self._start(host, ports)
 
@@ -209,11 +222,9 @@ class ParityReceiver(stream.Listener):
       header = stream._recv_json(conn)  # noqa: SLF001
       pending, stored = self._add(header, conn)
       if not pending.done.wait(self._timeout_s):
-        with self._lock:  # the step is given up: drop its accumulator
-          if self._pending.get(int(header["step"])) is pending:
-            del self._pending[int(header["step"])]
         missing = sorted(set(range(pending.k)) - {self._member} - set(pending.seen))
-        pending.give_up(f"step {header['step']}: chunks of members {missing} never came")
+        why = f"step {header['step']}: chunks of members {missing} never came"
+        self._give_up(int(header["step"]), pending, why)
         raise TimeoutError(pending.error)
       if pending.error:
         raise OSError(pending.error)
@@ -236,10 +247,15 @@ class ParityReceiver(stream.Listener):
     if header["group"] != self._group or i == self._member or not 0 <= i < k:
       raise ValueError(f"a chunk from member {i} of group {header['group']}, not of {self._group}")
     with self._lock:
-      pending = self._pending.setdefault(step, _Pending(k))
-      if i in pending.seen or i in pending.arriving:
-        raise ValueError(f"member {i} sent step {step} twice")
-      pending.arriving.add(i)
+      late = self._late(step, i, k)
+      if late is None:
+        pending = self._pending.setdefault(step, _Pending(k))
+        if i in pending.seen or i in pending.arriving:
+          raise ValueError(f"member {i} sent step {step} twice")
+        pending.arriving.add(i)
+    if late is not None:  # read (so the sender gets the answer), dropped
+      _drain(conn, length)
+      raise OSError(late)
     with pending.lock:
       if pending.error is not None:
         raise OSError(pending.error)
@@ -269,15 +285,23 @@ class ParityReceiver(stream.Listener):
             raise OSError(pending.error or f"step {step} was given up")
           pending.block.add(pos, piece[:n])
         pos += n
-    except BaseException:
-      with self._lock:  # a torn chunk poisons the step's block: drop it
-        if self._pending.get(step) is pending:
-          del self._pending[step]
-      pending.give_up(f"member {i}'s chunk of step {step} was cut off")
+      # After the bytes, the sender's manifest of the step, once its local
+      # write is complete (or why it failed: the step is given up at once).
+      tail = stream._recv_json(conn)  # noqa: SLF001
+      if not isinstance(tail, dict) or not isinstance(tail.get("manifest"), str):
+        why = tail.get("error") if isinstance(tail, dict) else tail
+        raise _NotWritten(f"member {i} did not write step {step}: {why}")
+    except BaseException as e:  # a torn chunk poisons the step's block: drop it
+      why = (
+        str(e)
+        if isinstance(e, _NotWritten)
+        else f"member {i}'s chunk of step {step} was cut off ({e})"
+      )
+      self._give_up(step, pending, why)
       raise
     with self._lock:
       pending.arriving.discard(i)
-      pending.seen[i] = header
+      pending.seen[i] = {**header, "manifest": tail["manifest"]}
       complete = len(pending.seen) == k - 1 and self._pending.get(step) is pending
       if complete:
         del self._pending[step]
@@ -289,6 +313,34 @@ class ParityReceiver(stream.Listener):
         pending.give_up(f"{type(e).__name__}: {e}")
       pending.done.set()
     return pending, complete
+
+  def _late(self, step: int, i: int, k: int) -> str | None:
+    """Under _lock: why member `i`'s chunk of `step` is refused (a late
+    chunk of an attempt given up), or None."""
+    dead = self._given_up.get(step)
+    if dead is None:
+      return None
+    why, came = dead
+    if i in came:  # it sends the step again: a new attempt
+      del self._given_up[step]
+      return None
+    came.add(i)
+    if len(came) >= k - 1:
+      del self._given_up[step]
+    return why
+
+  def _give_up(self, step: int, pending: _Pending, why: str) -> None:
+    """Drops `step`'s block and tells its waiting senders `why`; the
+    members' chunks still to come are refused (_late)."""
+    with self._lock:
+      if self._pending.get(step) is pending:
+        del self._pending[step]
+        came = set(pending.seen) | set(pending.arriving)
+        if len(came) < pending.k - 1:
+          self._given_up[step] = (why, came)
+          for old in sorted(self._given_up)[:-_GIVEN_UP_KEPT]:
+            del self._given_up[old]
+    pending.give_up(why)
 
   def _store(self, step: int, pending: _Pending) -> None:
     headers = pending.seen
@@ -345,6 +397,14 @@ class ParityReceiver(stream.Listener):
       self._idle.wait_for(lambda: self._retires == 0, timeout=self._timeout_s)
 
 
+def _drain(conn: socket.socket, length: int) -> None:
+  """Reads and drops a chunk's `length` bytes and its trailer."""
+  buf = np.empty(min(_PIECE, max(length, 1)), np.uint8)
+  for pos in range(0, length, len(buf)):
+    stream.recv_into(conn, buf[: min(len(buf), length - pos)])
+  stream._recv_json(conn)  # noqa: SLF001
+
+
 def _signed(body: dict) -> bytes:
   raw = json.dumps(body, sort_keys=True).encode()
   return json.dumps({"body": body, "crc32c": crc32c.crc32c(raw)}).encode()
@@ -363,16 +423,130 @@ def parity_steps(folder: str) -> list[int]:
 def send(
   offers: Mapping[int, dict], group: Sequence[int], member: int, step_dir: str, *, timeout_s: float
 ) -> int:
-  """Sends this member's chunks of the step in `step_dir` to the other
-  members (their `offers`, by process) and waits until every one stored
-  its parity block; returns the bytes sent. Raises PeerTransferError or
-  OSError. Called by: the redundancy lane."""
+  """Sends this member's chunks of the written step in `step_dir` to the
+  other members (their `offers`, by process), each followed by the step's
+  manifest, and waits until every one stored its parity block; returns
+  the bytes sent. Raises PeerTransferError or OSError. Called by: the
+  redundancy lane, after the local write."""
   with open(os.path.join(step_dir, local_format.MANIFEST), "rb") as f:
     raw = f.read()
-  body = local_format.decode_manifest(raw, step_dir)
-  k = len(group)
+  step = local_format.decode_manifest(raw, step_dir)["step"]
   path = os.path.join(step_dir, local_format.SHARDS)
   nbytes = os.path.getsize(path)
+
+  def one(offer: dict, header: dict, off: int, length: int) -> dict:
+    return stream.send_file(
+      offer,
+      header,
+      path,
+      off,
+      length,
+      timeout_s=timeout_s,
+      trailer=lambda: {"manifest": raw.hex()},
+    )
+
+  return _send_chunks(offers, group, member, step, nbytes, one)
+
+
+def send_snapshot(
+  offers: Mapping[int, dict],
+  group: Sequence[int],
+  member: int,
+  step: int,
+  data: np.ndarray,
+  manifest: Callable[[], bytes],
+  *,
+  timeout_s: float,
+  sent: Callable[[], None] = lambda: None,
+) -> int:
+  """As send(), from the staged bytes `data` of a step whose local write
+  runs meanwhile (the file will hold exactly these bytes): each chunk's
+  bytes go at once, then `sent()` (once every chunk's bytes are out, or
+  one failed: the caller may let go of `data`), and each chunk's trailer
+  is `manifest()` (it blocks until the write is complete and returns the
+  raw manifest; an exception's text is sent instead, and the members drop
+  the step at once). Raises PeerTransferError or OSError. Called by: the
+  redundancy lane, beside the local write."""
+  left = [len(group) - 1]  # chunks whose bytes may still be read from `data`
+  lock = threading.Lock()
+
+  def let_go(one_done: bool) -> None:
+    with lock:
+      if left[0] <= 0:  # already let go
+        return
+      left[0] = left[0] - 1 if one_done else 0
+      if left[0]:
+        return
+    sent()
+
+  def trailer() -> dict:
+    try:
+      return {"manifest": manifest().hex()}
+    except Exception as e:  # noqa: BLE001 - the members are told why
+      return {"error": f"{type(e).__name__}: {e}"}
+
+  def one(offer: dict, header: dict, off: int, length: int) -> dict:
+    out = [False]
+
+    def bytes_out() -> None:
+      out[0] = True
+      let_go(True)
+
+    try:
+      return stream.send_buffer(
+        offer,
+        header,
+        data[off : off + length],
+        timeout_s=timeout_s,
+        trailer=trailer,
+        sent=bytes_out,
+      )
+    finally:
+      if not out[0]:  # failed before its last byte: done with `data` too
+        bytes_out()
+
+  try:
+    return _send_chunks(offers, group, member, step, len(data), one)
+  finally:  # every sending thread has ended (a chunk may not have started)
+    let_go(False)
+
+
+def send_failure(
+  offers: Mapping[int, dict],
+  group: Sequence[int],
+  member: int,
+  step: int,
+  why: str,
+  *,
+  timeout_s: float,
+) -> None:
+  """Tells the other members that this member's local write of `step`
+  failed (an empty chunk whose trailer is the error): they drop the step's
+  blocks at once and answer its other senders so, instead of waiting for
+  this member's chunk until the timeout. Errors are only logged. Called
+  by: the redundancy lane, after a failed local write."""
+
+  def failed() -> bytes:
+    raise OSError(why)
+
+  try:
+    send_snapshot(offers, group, member, step, np.empty(0, np.uint8), failed, timeout_s=timeout_s)
+  except (OSError, PeerTransferError) as e:  # the members answer with the error: expected
+    logger.debug("xor: step %d's failure told to the group: %s", step, e)
+
+
+def _send_chunks(
+  offers: Mapping[int, dict],
+  group: Sequence[int],
+  member: int,
+  step: int,
+  nbytes: int,
+  send_one: Callable[[dict, dict, int, int], dict],
+) -> int:
+  """Each other member's chunk of this member's `nbytes` bytes of `step`,
+  `send_one(offer, header, offset, length)` (returning the member's
+  answer), all at once; the bytes sent. Raises PeerTransferError."""
+  k = len(group)
 
   def one(j: int) -> int:
     proc = group[j]
@@ -381,14 +555,13 @@ def send(
       raise PeerTransferError(f"group member {proc} cannot receive: {offer['error']}")
     off, length = xp.chunk(nbytes, k, xp.assigned(member, j, k))
     header = {
-      "step": body["step"],
+      "step": step,
       "member": member,
       "group": list(group),
       "nbytes": nbytes,
       "length": length,
-      "manifest": raw.hex(),
     }
-    reply = stream.send_file(offer, header, path, off, length, timeout_s=timeout_s)
+    reply = send_one(offer, header, off, length)
     if not reply.get("ok"):
       raise PeerTransferError(f"group member {proc} did not store its parity block: {reply}")
     return length
