@@ -212,29 +212,29 @@ def verify_step_dir(path: str) -> tuple[dict | None, list[str]]:
 
 
 class StreamChecksums:
-  """Every shard's CRC32C of a step's shards.bin (manifest `body`), summed
-  over its bytes as they arrive in file order: a receiver checks a copy
-  while the bytes are still in cache, instead of reading the file again.
-  update() the bytes at [pos, pos + len(data)), in order; check() raises
-  CorruptCheckpointError naming the first shard that does not match."""
+  """Every shard's CRC32C of a step's shards.bin, summed over its bytes as
+  they arrive in file order: a receiver checks a copy while the bytes are
+  still in cache, instead of reading the file again. `spans`: the shards'
+  [(offset, nbytes)] (spans_of a manifest, or of a staged layout when the
+  manifest comes after the bytes). update() the bytes at [pos, pos +
+  len(data)), in order; check(body) raises CorruptCheckpointError naming
+  the first shard of the manifest `body` that does not match."""
 
-  def __init__(self, body: dict, where: str):
+  def __init__(self, spans, where: str):
     self._where = where
-    self._spans = sorted(
-      (
-        (int(s["offset"]), int(s["nbytes"]), leaf["path"], s)
-        for leaf in body["leaves"]
-        for s in leaf["shards"]
-      ),
-      key=lambda t: t[0],
-    )
+    self._spans = sorted((int(o), int(n)) for o, n in spans)
     self._crcs = [0] * len(self._spans)
     self._next = 0  # the first span not yet summed whole
+
+  @staticmethod
+  def spans_of(body: dict) -> list[tuple[int, int]]:
+    """The (offset, nbytes) of every shard a manifest lists."""
+    return [(int(s["offset"]), int(s["nbytes"])) for leaf in body["leaves"] for s in leaf["shards"]]
 
   def update(self, pos: int, data) -> None:
     end, i = pos + len(data), self._next
     while i < len(self._spans):
-      off, n = self._spans[i][0], self._spans[i][1]
+      off, n = self._spans[i]
       if off >= end:
         break
       lo, hi = max(off, pos), min(off + n, end)
@@ -245,8 +245,17 @@ class StreamChecksums:
       i += 1
     self._next = i
 
-  def check(self) -> None:
-    for (_, _, path, s), crc in zip(self._spans, self._crcs):
+  def check(self, body: dict) -> None:
+    shards = sorted(
+      ((int(s["offset"]), int(s["nbytes"]), leaf["path"], s)
+       for leaf in body["leaves"] for s in leaf["shards"]),
+      key=lambda t: t[0],
+    )  # fmt: skip
+    if [(o, n) for o, n, _, _ in shards] != self._spans:
+      raise CorruptCheckpointError(
+        f"{self._where}/{SHARDS}: the manifest's shards are not the bytes that arrived"
+      )
+    for (_, _, path, s), crc in zip(shards, self._crcs):
       if "crc32c" not in s or s["crc32c"] != crc:
         raise CorruptCheckpointError(
           f"{self._where}/{SHARDS}: leaf {path} shard {s['index']} fails its checksum on arrival"

@@ -135,15 +135,15 @@ class LocalTierOptions:
   then not protected against a host loss)."""
 
   redundancy_overlap: bool | None = None
-  """With "xor": whether a member sends its chunks from the staged snapshot
-  while its local write runs (True), rather than from the written file
-  after it (False); the step's manifest follows each chunk once the write
-  is done, so a step is protected about when it is written instead of a
-  transfer later. It costs CPU beside the local write, on this process and
-  on the members receiving: None (the default) overlaps when this process
-  may run on at least REDUNDANCY_OVERLAP_MIN_CPUS cores (a training host;
-  on a few shared cores the save() stall of the job's other processes
-  would grow). Ignored with "partner" (it sends after the write)."""
+  """With a redundancy scheme: whether a process sends its partner copy or
+  XOR chunks from the staged snapshot while its local write runs (True),
+  rather than from the written file after it (False); the step's manifest
+  follows the bytes once the write is done, so a step is protected about
+  when it is written instead of a transfer later. It costs CPU beside the
+  local write, on this process and on those receiving: None (the default)
+  overlaps where this process may run on at least
+  REDUNDANCY_OVERLAP_MIN_CPUS cores (a training host; on a few shared
+  cores the writes only slow down)."""
 
   def __post_init__(self):
     _require(

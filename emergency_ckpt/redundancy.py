@@ -13,7 +13,7 @@ every member keeps a parity receiver open and sends each local step's
 chunks to the other members (their addresses: one more collective).
 
 Either way each send runs on the "redundancy" lane, after the local write
-(XOR with `overlap`: beside it, from the staged snapshot, the manifest
+(with `overlap`: beside it, from the staged snapshot, the manifest
 following once the write is done) and before this process's state file,
 so a step commits only once it is protected (unless
 local.redundancy_required is False).
@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -75,8 +75,10 @@ class Partner:
     wanted = [] if self.partner is None else [self.partner]
     got = collectives.exchange_some("partner_offer", self.receiver.offer(), wanted=wanted)
     self._offer = got.get(self.partner)
-
-  overlap = False  # sends the written step, after the local write
+    self._me = me
+    self.overlap = overlap_of(options)
+    """Whether the step goes from the staged snapshot during the local
+    write (send_snapshot) rather than from the written file (send)."""
 
   def send_failed(self, step: int, why: str) -> None:
     """Nothing: the partner waits for no one else."""
@@ -92,6 +94,33 @@ class Partner:
     Called by: the redundancy lane."""
     t0 = time.perf_counter()
     nbytes = partner_lib.send(self._offer, self.partner, step_dir, timeout_s=self._timeout_s)
+    return nbytes, time.perf_counter() - t0
+
+  def send_snapshot(
+    self,
+    step: int,
+    data: np.ndarray,
+    spans: Sequence[tuple[int, int]],
+    manifest: Callable[[], bytes],
+    sent: Callable[[], None],
+  ) -> tuple[int, float]:
+    """As send(), from `data`, the staged bytes of `step` (its shards at
+    `spans`) its local write is writing meanwhile: `manifest()` blocks
+    until the write is done and returns the step's raw manifest (raising
+    if it failed: the partner then drops the step); `sent()` once the
+    bytes are out. Called by: the redundancy lane."""
+    t0 = time.perf_counter()
+    nbytes = partner_lib.send_snapshot(
+      self._offer,
+      self.partner,
+      step,
+      self._me,
+      data,
+      spans,
+      manifest,
+      timeout_s=self._timeout_s,
+      sent=sent,
+    )
     return nbytes, time.perf_counter() - t0
 
   def close(self) -> None:
@@ -142,8 +171,7 @@ class Xor:
     )
     others = [p for p in self.group if p != me]
     self._offers = collectives.exchange_some("xor_offer", self.receiver.offer(), wanted=others)
-    overlap = options.local.redundancy_overlap
-    self.overlap = overlap if overlap is not None else _cpus() >= REDUNDANCY_OVERLAP_MIN_CPUS
+    self.overlap = overlap_of(options)
     """Whether chunks go from the staged snapshot during the local write
     (send_snapshot) rather than from the written file (send)."""
 
@@ -174,11 +202,12 @@ class Xor:
     self,
     step: int,
     data: np.ndarray,
+    spans: Sequence[tuple[int, int]],
     manifest: Callable[[], bytes],
     sent: Callable[[], None],
   ) -> tuple[int, float]:
-    """As send(), from `data`, the staged bytes of `step` its local write is
-    writing meanwhile: `manifest()` blocks until the write is done and
+    """As send(), from `data`, the staged bytes of `step` (`spans`: unused)
+    its local write is writing meanwhile: `manifest()` blocks until the write is done and
     returns the step's raw manifest (raising if the write failed: the
     members then drop the step); `sent()` once the bytes are out (the
     snapshot may be let go). Called by: the redundancy lane."""
@@ -197,6 +226,13 @@ class Xor:
 
   def close(self) -> None:
     self.receiver.close()
+
+
+def overlap_of(options) -> bool:
+  """local.redundancy_overlap, resolved: None overlaps where this process
+  may run on at least REDUNDANCY_OVERLAP_MIN_CPUS cores."""
+  overlap = options.local.redundancy_overlap
+  return overlap if overlap is not None else _cpus() >= REDUNDANCY_OVERLAP_MIN_CPUS
 
 
 def _cpus() -> int:

@@ -5,8 +5,8 @@ In save() (the trainer's thread; the only stall):
   machine-wide staging window; start the background work below.
 In the background (lanes of background.py):
   local write (every slice, the primary too) -> with local.redundancy, the
-  partner copy or XOR chunks (XOR with overlap: sent from the snapshot
-  beside the write) -> this process's JSON state
+  partner copy or XOR chunks (with overlap: sent from the snapshot beside
+  the write) -> this process's JSON state
   (after the local write, so COMMIT means every process finished its save of
   the step, even a failed one: a peer or the persistent tier may still serve
   it) -> on the primary process, COMMIT once every JSON exists -> retention.
@@ -194,7 +194,7 @@ class SavePipeline:
         nbytes = snapshot.layout.nbytes
         link = self._redundancy
         early = link is not None and link.active and link.overlap
-        # XOR overlap: the chunks go from the snapshot beside the write
+        # overlap: the step goes from the snapshot beside the write
         hold = _once(snapshot.hold()) if early else None  # before the write frees it
         write = self._local.write_async(
           snapshot,
@@ -302,8 +302,9 @@ class SavePipeline:
     persistent: bool,
   ) -> None:
     """On the redundancy lane, beside the local write `write` of `snapshot`
-    (held by `hold` until its bytes are sent): sends the XOR chunks from
-    the snapshot, each followed by the manifest once the write is done;
+    (held by `hold` until its bytes are sent): sends the partner copy or
+    the XOR chunks from the snapshot, each followed by the manifest once
+    the write is done;
     then, as after a write (_after_local), the state file: not if the
     write raised, unprotected if it failed, else _protected."""
     step = snapshot.step
@@ -320,7 +321,8 @@ class SavePipeline:
       snapshot.wait_filled()
       snapshot.wait_others_staged()
       data = snapshot.buffer[: snapshot.layout.nbytes]
-      nbytes, _ = self._redundancy.send_snapshot(step, data, manifest, hold)
+      spans = [(s.offset, s.nbytes) for leaf in snapshot.layout.leaves for s in leaf.slots]
+      nbytes, _ = self._redundancy.send_snapshot(step, data, spans, manifest, hold)
     except (OSError, PeerTransferError) as e:
       error = e
     finally:

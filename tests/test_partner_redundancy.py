@@ -21,22 +21,34 @@ from tests import restart_helpers as rh
 from tests.conftest import _fresh_shm_dir
 
 
-def _save(root: str, processes: int, slices: int) -> dict:
-  return rh.save_run(root, processes, slices, redundancy="partner", sim_hosts=True)
+def _save(root: str, processes: int, slices: int, **extra) -> dict:
+  return rh.save_run(root, processes, slices, redundancy="partner", sim_hosts=True, **extra)
 
 
 @pytest.fixture(scope="module")
 def one_slice():
+  # (on this machine's few cores the step goes after the local write)
   for root in _fresh_shm_dir("ectest-partner-"):
-    yield _save(root, 4, 1)
+    yield _save(root, 4, 1, redundancy_overlap=False)
+
+
+@pytest.fixture(scope="module")
+def overlapped():
+  """As one_slice, each step sent from the staged snapshot during the local
+  write (local.redundancy_overlap, as on a many-core host)."""
+  for root in _fresh_shm_dir("ectest-partner-overlap-"):
+    yield _save(root, 4, 1, redundancy_overlap=True)
 
 
 def _partner_dir(args: dict, host: int, sender: int) -> str:
   return os.path.join(rh.process_dir(args, host), "partner", f"process_{sender}")
 
 
-def test_every_step_lives_in_the_partners_ramdisk_too(one_slice, shm_dir):
-  args = rh.copy_run(one_slice, shm_dir)
+@pytest.mark.parametrize("run", ["one_slice", "overlapped"])
+def test_every_step_lives_in_the_partners_ramdisk_too(run, request, shm_dir):
+  saved = request.getfixturevalue(run)
+  assert saved["overlap"] == [run == "overlapped"]  # every process took that path
+  args = rh.copy_run(saved, shm_dir)
   for p in range(4):
     partner = (p + 1) % 4
     names = sorted(os.listdir(_partner_dir(args, partner, p)))
@@ -56,7 +68,17 @@ def test_every_step_lives_in_the_partners_ramdisk_too(one_slice, shm_dir):
 
 
 def test_a_lost_host_is_rebuilt_from_its_partner(one_slice, shm_dir, fault_matrix):
-  args = rh.copy_run(one_slice, shm_dir)
+  _a_lost_host_is_rebuilt(one_slice, shm_dir, fault_matrix)
+
+
+def test_a_lost_host_is_rebuilt_from_a_copy_sent_during_the_write(
+  overlapped, shm_dir, fault_matrix
+):
+  _a_lost_host_is_rebuilt(overlapped, shm_dir, fault_matrix)
+
+
+def _a_lost_host_is_rebuilt(saved: dict, shm_dir: str, fault_matrix) -> None:
+  args = rh.copy_run(saved, shm_dir)
   rh.wipe_hosts(args, 1)
   got = rh.restart(args, 4, 1)
   fault_matrix.check(

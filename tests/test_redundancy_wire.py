@@ -610,3 +610,54 @@ def test_a_chunk_of_a_step_given_up_is_refused_and_a_new_attempt_stored(tmp_path
   finally:
     for r in receivers:
       r.close()
+
+
+def test_a_partner_copy_goes_from_memory_while_the_step_is_written(tmp_path):
+  """redundancy_overlap with "partner": the bytes go from the staged buffer
+  before the write is done (`sent` before the manifest is released), the
+  manifest follows; the kept copy is bit-exact and checked on arrival. A
+  manifest whose checksums do not match the bytes, or the error of a
+  failed write, is refused and leaves no step."""
+  import concurrent.futures  # noqa: PLC0415
+  import threading  # noqa: PLC0415
+
+  host = str(tmp_path / "partner_host")
+  receiver = partner.Receiver(host, "127.0.0.1", keep=2, timeout_s=30, log_prefix="[t]")
+  kept = partner.partner_dir(host, 3)
+  try:
+    where, data = _step(str(tmp_path / "s"), 3, 6 * MIB, 1, 7)
+    with open(os.path.join(where, local_format.MANIFEST), "rb") as f:
+      raw = f.read()
+    spans = [(0, 6 * MIB)]
+    written, out = threading.Event(), threading.Event()
+
+    def manifest() -> bytes:
+      assert written.wait(30), "the manifest was never released"
+      return raw
+
+    buf = np.frombuffer(data, np.uint8)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+      fut = pool.submit(
+        partner.send_snapshot, receiver.offer(), 1, 7, 3, buf, spans, manifest,
+        timeout_s=30, sent=out.set,
+      )  # fmt: skip
+      assert out.wait(30), "the bytes went out before the write was done"
+      written.set()
+      assert fut.result(timeout=30) == len(data)
+    got = local_read.read_step(os.path.join(kept, "step_7"))
+    assert got.arrays[0][((0, len(data) // 4),)].tobytes() == data
+
+    bad, _ = _step(str(tmp_path / "bad"), 3, 6 * MIB, 99, 8, crc_of=b"other bytes")
+    with open(os.path.join(bad, local_format.MANIFEST), "rb") as f:
+      bad_raw = f.read()
+    with pytest.raises(PeerTransferError, match="checksum"):
+      partner.send_snapshot(receiver.offer(), 1, 8, 3, buf, spans, lambda: bad_raw, timeout_s=30)
+
+    def failed() -> bytes:
+      raise OSError("No space left on device")
+
+    with pytest.raises(PeerTransferError, match="No space left"):
+      partner.send_snapshot(receiver.offer(), 1, 9, 3, buf, spans, failed, timeout_s=30)
+  finally:
+    receiver.close()
+  assert sorted(n for n in os.listdir(kept) if not n.startswith(".tmp-spare-")) == ["step_7"]

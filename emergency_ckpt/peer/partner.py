@@ -1,9 +1,12 @@
 """Partner redundancy (local.redundancy = "partner"): each process's local
 step also lives in its partner's ramdisk, on another machine of its slice.
 
-After a local write, the writer's process streams the step's two files
-(`os.sendfile` of shards.bin: the kernel copies from the ramdisk to the
-socket) to its partner, which writes them under its own folder:
+After a local write, the writer's process streams the step's shards.bin
+(`os.sendfile`: the kernel copies from the ramdisk to the socket), or,
+with local.redundancy_overlap, the staged snapshot that file is written
+from, beside the write; the step's manifest follows the bytes (once the
+write is done, or the write's error: the partner drops the step). The
+partner writes them under its own folder:
   <process dir of the partner>/partner/process_<sender>/step_<N>/
 (a `.tmp-step_<N>-<hex>` folder renamed into place once both files are
 fsync'ed and every shard matched its CRC32C, summed as the bytes arrived),
@@ -91,40 +94,33 @@ class Receiver(stream.Listener):
     self._start(host, ports)
 
   def _handle(self, conn: socket.socket) -> None:
-    """One sender's step: header (with its manifest), bytes; answers once
-    the step is durable here."""
+    """One sender's step: header (its shards' spans), bytes, then its
+    manifest (or the error that ended its local write); answers once the
+    step is durable here."""
     try:
       header = stream._recv_json(conn)  # noqa: SLF001
       step, sender = int(header["step"]), int(header["process"])
-      raw = bytes.fromhex(header["manifest"])
-      body = local_format.decode_manifest(raw, "partner header")
-      if (body.get("step"), body.get("process_index"), body.get("nbytes")) != (
-        step,
-        sender,
-        int(header["nbytes"]),
-      ):
-        raise ValueError(f"the header names step {step} of process {sender}, its manifest another")
-      self._store(conn, step, sender, body, raw)
+      spans = [(int(o), int(n)) for o, n in header["spans"]]
+      self._store(conn, step, sender, int(header["nbytes"]), spans)
       stream._send_json(conn, {"ok": True})  # noqa: SLF001
     except Exception as e:  # noqa: BLE001 - the sender sees no "ok" and reports it
       logger.warning("%s partner: a step was not stored: %s", self._prefix, e)
       with contextlib.suppress(OSError):
         stream._send_json(conn, {"error": str(e)})  # noqa: SLF001
 
-  def _store(self, conn, step: int, sender: int, body: dict, manifest: bytes) -> None:
+  def _store(self, conn, step: int, sender: int, nbytes: int, spans) -> None:
     """Writes the step into a temporary folder as its bytes arrive, summing
     each shard's CRC32C on the way (still in cache: no second pass over the
-    file), checks them against the manifest and renames the folder into
-    place."""
+    file), checks them against the manifest that follows and renames the
+    folder into place."""
     if failpoints.armed("partner.refuse", step):
       raise OSError("failpoint partner.refuse")  # a test: the partner cannot store it
-    nbytes = int(body["nbytes"])
     folder = partner_dir(self._dir, sender)
     os.makedirs(folder, mode=0o700, exist_ok=True)
     tmp = os.path.join(folder, layout.tmp_step_dir_name(step))
     os.mkdir(tmp, 0o700)
     try:
-      checks = local_format.StreamChecksums(body, tmp)
+      checks = local_format.StreamChecksums(spans, tmp)
       path = os.path.join(tmp, local_format.SHARDS)
       reused = layout.take_spare(folder, local_format.SHARDS, path, self._mapped, nbytes)
       with open(path, "r+b" if reused else "wb") as f:
@@ -134,7 +130,8 @@ class Receiver(stream.Listener):
           _receive(conn, f, nbytes, checks)
         f.flush()
         os.fsync(f.fileno())
-      checks.check()  # never keep a torn or damaged copy
+      manifest, body = _trailer(conn, step, sender, nbytes)
+      checks.check(body)  # never keep a torn or damaged copy
       with open(os.path.join(tmp, local_format.MANIFEST), "wb") as f:
         f.write(manifest)
         f.flush()
@@ -145,6 +142,20 @@ class Receiver(stream.Listener):
       raise
     retired = layout.list_local_steps(folder)[: -self._keep]
     layout.retire_steps(folder, retired, local_format.SHARDS, self._mapped)
+
+
+def _trailer(conn: socket.socket, step: int, sender: int, nbytes: int) -> tuple[bytes, dict]:
+  """The sender's manifest after the bytes (raw, decoded), checked against
+  the header; OSError if its local write failed."""
+  tail = stream._recv_json(conn)  # noqa: SLF001
+  if not isinstance(tail, dict) or not isinstance(tail.get("manifest"), str):
+    why = tail.get("error") if isinstance(tail, dict) else tail
+    raise OSError(f"process {sender} did not write step {step}: {why}")
+  raw = bytes.fromhex(tail["manifest"])
+  body = local_format.decode_manifest(raw, "partner trailer")
+  if (body.get("step"), body.get("process_index"), body.get("nbytes")) != (step, sender, nbytes):
+    raise ValueError(f"the header names step {step} of process {sender}, its manifest another")
+  return raw, body
 
 
 def _cleanup(process_dir: str) -> None:
@@ -193,21 +204,75 @@ def _receive(conn: socket.socket, f, nbytes: int, checks: local_format.StreamChe
 def send(offer: dict, partner: int, step_dir: str, *, timeout_s: float) -> int:
   """Sends the local step in `step_dir` to `partner` (its `offer`) and waits
   until it is durable there; returns the bytes sent. Raises
-  PeerTransferError or OSError. Called by: the redundancy lane."""
-  if "error" in offer:
-    raise PeerTransferError(f"partner process {partner} cannot receive: {offer['error']}")
+  PeerTransferError or OSError. Called by: the redundancy lane, after the
+  local write."""
+  _check_offer(offer, partner)
   with open(os.path.join(step_dir, local_format.MANIFEST), "rb") as f:
     raw = f.read()
   body = local_format.decode_manifest(raw, step_dir)
   path = os.path.join(step_dir, local_format.SHARDS)
   nbytes = os.path.getsize(path)
-  header = {
-    "step": body["step"],
-    "process": body["process_index"],
-    "nbytes": nbytes,
-    "manifest": raw.hex(),
-  }
-  reply = stream.send_file(offer, header, path, 0, nbytes, timeout_s=timeout_s)
+  spans = local_format.StreamChecksums.spans_of(body)
+  header = _header(body["step"], body["process_index"], nbytes, spans)
+  reply = stream.send_file(
+    offer, header, path, 0, nbytes, timeout_s=timeout_s, trailer=lambda: {"manifest": raw.hex()}
+  )
+  return _answered(reply, partner, body["step"], nbytes)
+
+
+def send_snapshot(
+  offer: dict,
+  partner: int,
+  step: int,
+  process: int,
+  data,
+  spans: Sequence[tuple[int, int]],
+  manifest: Callable[[], bytes],
+  *,
+  timeout_s: float,
+  sent: Callable[[], None] = lambda: None,
+) -> int:
+  """As send(), from the staged bytes `data` of `step` (its shards at
+  `spans`) while its local write runs (the file will hold exactly these
+  bytes): `sent()` once they are out, then `manifest()` (blocks until the
+  write is done; an exception's text goes instead, and the partner drops
+  the step). Raises PeerTransferError or OSError. Called by: the
+  redundancy lane, beside the local write."""
+  _check_offer(offer, partner)
+
+  def trailer() -> dict:
+    try:
+      return {"manifest": manifest().hex()}
+    except Exception as e:  # noqa: BLE001 - the partner is told why
+      return {"error": f"{type(e).__name__}: {e}"}
+
+  out = [False]
+
+  def bytes_out() -> None:  # once: after the last byte, or on a failure before it
+    if not out[0]:
+      out[0] = True
+      sent()
+
+  header = _header(step, process, len(data), spans)
+  try:
+    reply = stream.send_buffer(
+      offer, header, data, timeout_s=timeout_s, trailer=trailer, sent=bytes_out
+    )
+  finally:
+    bytes_out()
+  return _answered(reply, partner, step, len(data))
+
+
+def _check_offer(offer: dict, partner: int) -> None:
+  if "error" in offer:
+    raise PeerTransferError(f"partner process {partner} cannot receive: {offer['error']}")
+
+
+def _header(step: int, process: int, nbytes: int, spans: Sequence[tuple[int, int]]) -> dict:
+  return {"step": step, "process": process, "nbytes": nbytes, "spans": [list(x) for x in spans]}
+
+
+def _answered(reply: dict, partner: int, step: int, nbytes: int) -> int:
   if not reply.get("ok"):
-    raise PeerTransferError(f"partner process {partner} did not store step {body['step']}: {reply}")
+    raise PeerTransferError(f"partner process {partner} did not store step {step}: {reply}")
   return nbytes
