@@ -196,12 +196,17 @@ class SavePipeline:
         early = link is not None and link.active and link.overlap
         # overlap: the step goes from the snapshot beside the write
         hold = _once(snapshot.hold()) if early else None  # before the write frees it
-        write = self._local.write_async(
-          snapshot,
-          on_done=lambda r: self._after_local(
-            r, data_state, sums, decision.persistent, early=early
-          ),
-        )
+        try:
+          write = self._local.write_async(
+            snapshot,
+            on_done=lambda r: self._after_local(
+              r, data_state, sums, decision.persistent, early=early
+            ),
+          )
+        except BaseException:
+          if hold is not None:
+            hold()
+          raise
         self._background.track(write)
         if early:
           self._background.submit(
@@ -304,9 +309,9 @@ class SavePipeline:
     """On the redundancy lane, beside the local write `write` of `snapshot`
     (held by `hold` until its bytes are sent): sends the partner copy or
     the XOR chunks from the snapshot, each followed by the manifest once
-    the write is done;
-    then, as after a write (_after_local), the state file: not if the
-    write raised, unprotected if it failed, else _protected."""
+    the write is done; then, as after a write (_after_local), the state
+    file: not if the write raised, unprotected if it failed, else
+    _protected."""
     step = snapshot.step
 
     def manifest() -> bytes:  # the senders' trailer: waits for the write
