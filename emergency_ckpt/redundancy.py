@@ -39,7 +39,36 @@ from emergency_ckpt.topology import peer_host
 logger = logging.getLogger("emergency_ckpt")
 
 
-class Partner:
+class _Link:
+  """What the save pipeline calls on a redundancy link (Partner, Xor)."""
+
+  overlap: bool
+  """Whether the step goes from the staged snapshot during the local write
+  (send_snapshot) rather than from the written file (send)."""
+
+  def send_snapshot(
+    self,
+    step: int,
+    data: np.ndarray,
+    spans: Sequence[tuple[int, int]],
+    manifest: Callable[[], bytes],
+    sent: Callable[[], None],
+  ) -> tuple[int, float]:
+    """As send(), from `data`, the staged bytes of `step` (its shards at
+    `spans`) that its local write is writing meanwhile: `manifest()` blocks
+    until the write is done and returns the step's raw manifest (raising
+    if it failed: the receivers then drop the step); `sent()` once the
+    bytes are out (the snapshot may be let go). Returns (bytes, seconds).
+    Raises PeerTransferError or OSError. Called by: the redundancy lane."""
+    t0 = time.perf_counter()
+    nbytes = self._send_snapshot(step, data, spans, manifest, sent)
+    return nbytes, time.perf_counter() - t0
+
+  def _send_snapshot(self, step, data, spans, manifest, sent) -> int:
+    raise NotImplementedError
+
+
+class Partner(_Link):
   """This process's partner link: a receiver for the step its own partner
   sender (another process) sends, and where to send its own steps."""
 
@@ -77,8 +106,6 @@ class Partner:
     self._offer = got.get(self.partner)
     self._me = me
     self.overlap = overlap_of(options)
-    """Whether the step goes from the staged snapshot during the local
-    write (send_snapshot) rather than from the written file (send)."""
 
   def send_failed(self, step: int, why: str) -> None:
     """Nothing: the partner waits for no one else."""
@@ -96,38 +123,17 @@ class Partner:
     nbytes = partner_lib.send(self._offer, self.partner, step_dir, timeout_s=self._timeout_s)
     return nbytes, time.perf_counter() - t0
 
-  def send_snapshot(
-    self,
-    step: int,
-    data: np.ndarray,
-    spans: Sequence[tuple[int, int]],
-    manifest: Callable[[], bytes],
-    sent: Callable[[], None],
-  ) -> tuple[int, float]:
-    """As send(), from `data`, the staged bytes of `step` (its shards at
-    `spans`) its local write is writing meanwhile: `manifest()` blocks
-    until the write is done and returns the step's raw manifest (raising
-    if it failed: the partner then drops the step); `sent()` once the
-    bytes are out. Called by: the redundancy lane."""
-    t0 = time.perf_counter()
-    nbytes = partner_lib.send_snapshot(
-      self._offer,
-      self.partner,
-      step,
-      self._me,
-      data,
-      spans,
-      manifest,
-      timeout_s=self._timeout_s,
-      sent=sent,
-    )
-    return nbytes, time.perf_counter() - t0
+  def _send_snapshot(self, step, data, spans, manifest, sent) -> int:
+    return partner_lib.send_snapshot(
+      self._offer, self.partner, step, self._me, data, spans, manifest,
+      timeout_s=self._timeout_s, sent=sent,
+    )  # fmt: skip
 
   def close(self) -> None:
     self.receiver.close()
 
 
-class Xor:
+class Xor(_Link):
   """This process's XOR group: its parity receiver, and where its chunks go."""
 
   def __init__(
@@ -172,8 +178,6 @@ class Xor:
     others = [p for p in self.group if p != me]
     self._offers = collectives.exchange_some("xor_offer", self.receiver.offer(), wanted=others)
     self.overlap = overlap_of(options)
-    """Whether chunks go from the staged snapshot during the local write
-    (send_snapshot) rather than from the written file (send)."""
 
   @property
   def active(self) -> bool:
@@ -198,31 +202,11 @@ class Xor:
       self._offers, self.group, self.member, step, why, timeout_s=self._timeout_s
     )
 
-  def send_snapshot(
-    self,
-    step: int,
-    data: np.ndarray,
-    spans: Sequence[tuple[int, int]],
-    manifest: Callable[[], bytes],
-    sent: Callable[[], None],
-  ) -> tuple[int, float]:
-    """As send(), from `data`, the staged bytes of `step` (`spans`: unused)
-    its local write is writing meanwhile: `manifest()` blocks until the write is done and
-    returns the step's raw manifest (raising if the write failed: the
-    members then drop the step); `sent()` once the bytes are out (the
-    snapshot may be let go). Called by: the redundancy lane."""
-    t0 = time.perf_counter()
-    nbytes = xor_lib.send_snapshot(
-      self._offers,
-      self.group,
-      self.member,
-      step,
-      data,
-      manifest,
-      timeout_s=self._timeout_s,
-      sent=sent,
-    )
-    return nbytes, time.perf_counter() - t0
+  def _send_snapshot(self, step, data, spans, manifest, sent) -> int:
+    return xor_lib.send_snapshot(
+      self._offers, self.group, self.member, step, data, manifest,
+      timeout_s=self._timeout_s, sent=sent,
+    )  # fmt: skip
 
   def close(self) -> None:
     self.receiver.close()
