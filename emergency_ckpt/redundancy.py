@@ -23,6 +23,7 @@ Called by: the manager (start, close) and the save pipeline (protect).
 
 from __future__ import annotations
 
+import abc
 import logging
 import os
 import time
@@ -39,7 +40,7 @@ from emergency_ckpt.topology import peer_host
 logger = logging.getLogger("emergency_ckpt")
 
 
-class _Link:
+class _Link(abc.ABC):
   """What the save pipeline calls on a redundancy link (Partner, Xor)."""
 
   overlap: bool
@@ -64,8 +65,9 @@ class _Link:
     nbytes = self._send_snapshot(step, data, spans, manifest, sent)
     return nbytes, time.perf_counter() - t0
 
+  @abc.abstractmethod
   def _send_snapshot(self, step, data, spans, manifest, sent) -> int:
-    raise NotImplementedError
+    """The scheme's send of the snapshot; the bytes sent."""
 
 
 class Partner(_Link):

@@ -147,11 +147,7 @@ class Receiver(stream.Listener):
 def _trailer(conn: socket.socket, step: int, sender: int, nbytes: int) -> tuple[bytes, dict]:
   """The sender's manifest after the bytes (raw, decoded), checked against
   the header; OSError if its local write failed."""
-  tail = stream._recv_json(conn)  # noqa: SLF001
-  if not isinstance(tail, dict) or not isinstance(tail.get("manifest"), str):
-    why = tail.get("error") if isinstance(tail, dict) else tail
-    raise OSError(f"process {sender} did not write step {step}: {why}")
-  raw = bytes.fromhex(tail["manifest"])
+  raw = stream.recv_manifest(conn, f"process {sender} did not write step {step}")
   body = local_format.decode_manifest(raw, "partner trailer")
   if (body.get("step"), body.get("process_index"), body.get("nbytes")) != (step, sender, nbytes):
     raise ValueError(f"the header names step {step} of process {sender}, its manifest another")
@@ -215,7 +211,13 @@ def send(offer: dict, partner: int, step_dir: str, *, timeout_s: float) -> int:
   spans = local_format.StreamChecksums.spans_of(body)
   header = _header(body["step"], body["process_index"], nbytes, spans)
   reply = stream.send_file(
-    offer, header, path, 0, nbytes, timeout_s=timeout_s, trailer=lambda: {"manifest": raw.hex()}
+    offer,
+    header,
+    path,
+    0,
+    nbytes,
+    timeout_s=timeout_s,
+    trailer=stream.manifest_trailer(lambda: raw),
   )
   return _answered(reply, partner, body["step"], nbytes)
 
@@ -240,12 +242,6 @@ def send_snapshot(
   redundancy lane, beside the local write."""
   _check_offer(offer, partner)
 
-  def trailer() -> dict:
-    try:
-      return {"manifest": manifest().hex()}
-    except Exception as e:  # noqa: BLE001 - the partner is told why
-      return {"error": f"{type(e).__name__}: {e}"}
-
   out = [False]
 
   def bytes_out() -> None:  # once: after the last byte, or on a failure before it
@@ -256,7 +252,12 @@ def send_snapshot(
   header = _header(step, process, len(data), spans)
   try:
     reply = stream.send_buffer(
-      offer, header, data, timeout_s=timeout_s, trailer=trailer, sent=bytes_out
+      offer,
+      header,
+      data,
+      timeout_s=timeout_s,
+      trailer=stream.manifest_trailer(manifest),
+      sent=bytes_out,
     )
   finally:
     bytes_out()

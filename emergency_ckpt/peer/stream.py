@@ -379,6 +379,31 @@ def send_file(
     return _recv_json(sock)
 
 
+def manifest_trailer(manifest: Callable[[], bytes]) -> Callable[[], dict]:
+  """The trailer (send_file, send_buffer) that carries a step's raw
+  manifest once `manifest()` returns it, or the error it raised (the
+  receiver then drops the step: recv_manifest)."""
+
+  def trailer() -> dict:
+    try:
+      return {"manifest": manifest().hex()}
+    except Exception as e:  # noqa: BLE001 - the receiver is told why
+      return {"error": f"{type(e).__name__}: {e}"}
+
+  return trailer
+
+
+def recv_manifest(sock: socket.socket, what: str) -> bytes:
+  """The raw manifest a manifest_trailer sent after the bytes; OSError
+  naming `what` (e.g. "process 3 did not write step 7") and the sender's
+  error if its local write failed."""
+  tail = _recv_json(sock)
+  if not isinstance(tail, dict) or not isinstance(tail.get("manifest"), str):
+    why = tail.get("error") if isinstance(tail, dict) else tail
+    raise OSError(f"{what}: {why}")
+  return bytes.fromhex(tail["manifest"])
+
+
 def send_buffer(
   offer: dict,
   header: dict,

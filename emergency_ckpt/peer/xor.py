@@ -287,10 +287,10 @@ class ParityReceiver(stream.Listener):
         pos += n
       # After the bytes, the sender's manifest of the step, once its local
       # write is complete (or why it failed: the step is given up at once).
-      tail = stream._recv_json(conn)  # noqa: SLF001
-      if not isinstance(tail, dict) or not isinstance(tail.get("manifest"), str):
-        why = tail.get("error") if isinstance(tail, dict) else tail
-        raise _NotWritten(f"member {i} did not write step {step}: {why}")
+      try:
+        manifest = stream.recv_manifest(conn, f"member {i} did not write step {step}")
+      except OSError as e:
+        raise _NotWritten(str(e)) from None
     except BaseException as e:  # a torn chunk poisons the step's block: drop it
       why = (
         str(e)
@@ -301,7 +301,7 @@ class ParityReceiver(stream.Listener):
       raise
     with self._lock:
       pending.arriving.discard(i)
-      pending.seen[i] = {**header, "manifest": tail["manifest"]}
+      pending.seen[i] = {**header, "manifest": manifest.hex()}
       complete = len(pending.seen) == k - 1 and self._pending.get(step) is pending
       if complete:
         del self._pending[step]
@@ -442,7 +442,7 @@ def send(
       off,
       length,
       timeout_s=timeout_s,
-      trailer=lambda: {"manifest": raw.hex()},
+      trailer=stream.manifest_trailer(lambda: raw),
     )
 
   return _send_chunks(offers, group, member, step, nbytes, one)
@@ -479,12 +479,6 @@ def send_snapshot(
         return
     sent()
 
-  def trailer() -> dict:
-    try:
-      return {"manifest": manifest().hex()}
-    except Exception as e:  # noqa: BLE001 - the members are told why
-      return {"error": f"{type(e).__name__}: {e}"}
-
   def one(offer: dict, header: dict, off: int, length: int) -> dict:
     out = [False]
 
@@ -498,7 +492,7 @@ def send_snapshot(
         header,
         data[off : off + length],
         timeout_s=timeout_s,
-        trailer=trailer,
+        trailer=stream.manifest_trailer(manifest),
         sent=bytes_out,
       )
     finally:
