@@ -11,7 +11,7 @@
 # --python-version 3.12 --platform manylinux_2_28_x86_64 -d .whl NAME==VERSION`).
 # Here, on CPU: NO_WHEELS=1 PY=.venv/bin/python STALL_MIB=64
 #   STALL_ARGS="--matmuls 1 --matmul-size 64" bash benchmarks/device/session.sh
-# Results of 2026-11-26: benchmarks/results/2026-11-26g-device-h200/.
+# Results: benchmarks/results/2026-11-26g-device-h200/, 2026-11-27a-device-h200-redundancy/.
 set -u
 PY=${PY:-python3}
 BUDGET_S=${BUDGET_S:-480}
@@ -36,7 +36,7 @@ part() {  # part NAME LIMIT_S CMD...: runs CMD if LIMIT_S still fits the budget
   echo "== $name rc=$? in $((SECONDS - t0)) s"; tail -n 25 "$RES/$name.log"
 }
 { nvidia-smi -L; nproc; free -g | head -2; df -h /dev/shm /tmp | tail -2
-  $PY -c "import jax, orbax.checkpoint as o, tensorstore as t; print('jax', jax.__version__, 'orbax', o.__version__, 'ts', t.__version__, jax.devices())"
+  $PY -c "import jax, importlib.metadata as m; print(*(p + ' ' + m.version(p) for p in ('jax', 'jaxlib', 'orbax-checkpoint', 'tensorstore')), jax.devices())"
 } 2>&1
 if [ -n "${STALL:-}" ]; then  # measured in two sessions already (README: On a GPU)
   part stall "${STALL_S:-200}" $PY -m emergency_ckpt.bench.device_stall --out "$RES/stall" \
