@@ -6,6 +6,10 @@ os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 os.environ.setdefault("FSSPEC_GCS_TOKEN", "anon")
 os.environ.setdefault("GOOGLE_AUTH_TOKEN_FOR_TESTING", "dummy")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Job processes fork from a server that imported jax and Orbax once
+# (emergency_ckpt.testing.launcher); EC_LAUNCHER_START=spawn runs each as a
+# fresh interpreter instead.
+os.environ.setdefault("EC_LAUNCHER_START", "fork")
 
 import tempfile  # noqa: E402
 

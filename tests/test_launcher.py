@@ -6,11 +6,23 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import sys
 import time
+
+import pytest
 
 from emergency_ckpt.bench import run as bench_run
 from emergency_ckpt.bench.run import _summarize
+from emergency_ckpt.testing import launcher
 from emergency_ckpt.testing.launcher import JobResult, run_job
+
+
+def _hang_timeout_s(start: str | None = None) -> float:
+  """How long a job that hangs at once gets: its processes must start and
+  reach the hang first (a forked one in well under a second, a spawned one
+  imports jax and Orbax first)."""
+  start = start or os.environ.get(launcher.START_ENV) or "spawn"
+  return 15 if start == "spawn" else 6
 
 
 def _stuck_in_a_named_function(seconds: float) -> None:
@@ -24,14 +36,16 @@ def hang(args: dict) -> str:
   return "never"
 
 
-def test_a_timed_out_job_leaves_its_stacks_in_the_log(tmp_path):
+@pytest.mark.parametrize("start", launcher.STARTS)
+def test_a_timed_out_job_leaves_its_stacks_in_the_log(tmp_path, start):
   res = run_job(
     "tests.test_launcher:hang",
     1,
     {"seconds": 600},
     devices_per_process=1,
-    timeout_s=15,
+    timeout_s=_hang_timeout_s(start),
     out_dir=str(tmp_path),
+    start=start,
   )
   assert res.timed_out and res.returncodes == [-signal.SIGKILL]
   log = res.logs[0]
@@ -87,7 +101,11 @@ def test_a_hung_orbax_job_is_retried_once_and_recorded(tmp_path, monkeypatch):
   cleared = []
   args = {"marker": str(tmp_path / "marker")}
   got, error = runner.job(
-    "orbax_p2p-main", "tests.test_launcher:hang_once", args, 12, retry=lambda: cleared.append(1)
+    "orbax_p2p-main",
+    "tests.test_launcher:hang_once",
+    args,
+    _hang_timeout_s(),
+    retry=lambda: cleared.append(1),
   )
   assert error is None and got == [{"ok": True}], error
   assert cleared == [1] and runner.errors == {}
@@ -100,6 +118,101 @@ def test_a_hung_orbax_job_is_retried_once_and_recorded(tmp_path, monkeypatch):
 def test_a_hung_job_without_retry_fails(tmp_path, monkeypatch):
   runner = _runner(tmp_path, monkeypatch)
   args = {"marker": str(tmp_path / "marker")}
-  got, error = runner.job("emergency_ckpt-main", "tests.test_launcher:hang_once", args, 12)
+  got, error = runner.job(
+    "emergency_ckpt-main", "tests.test_launcher:hang_once", args, _hang_timeout_s()
+  )
   assert got is None and error.startswith("timed out after"), error
   assert runner.errors == {"emergency_ckpt-main": error} and runner.retried == {}
+
+
+def whoami(args: dict) -> dict:
+  """Job target: what a job process sees of itself (both start methods)."""
+  import jax  # noqa: PLC0415
+
+  print(f"stdout of process {jax.process_index()}")
+  print(f"stderr of process {jax.process_index()}", file=sys.stderr)
+  if args.get("fail_on") == jax.process_index():
+    raise RuntimeError("this process was asked to fail")
+  return {
+    "pid": os.getpid(),
+    "session_leader": os.getsid(0) == os.getpid(),
+    "parent_is_driver": os.getppid() == args["driver"],
+    "process": [jax.process_index(), jax.process_count()],
+    "devices": [jax.local_device_count(), jax.device_count()],
+    "platform": jax.devices()[0].platform,
+    "mine": os.environ.get("EC_TEST_MINE"),
+    "leaked": os.environ.get("EC_LAUNCHER_START"),
+    "cwd": os.getcwd(),
+    "root_on_path": os.path.dirname(os.path.dirname(os.path.abspath(__file__))) in sys.path,
+    "sum": float(jax.numpy.arange(4.0).sum()),
+  }
+
+
+def test_forked_and_spawned_processes_see_the_same_job(tmp_path, monkeypatch):
+  """A forked job process is what a spawned one is: its own OS process and
+  session, its index, devices and environment (the driver's, not the fork
+  server's: the server started with EC_LAUNCHER_START set), its output in
+  its log."""
+  monkeypatch.chdir(tmp_path)
+  monkeypatch.delenv(launcher.START_ENV, raising=False)
+  seen = {}
+  for start in launcher.STARTS:
+    res = run_job(
+      "tests.test_launcher:whoami",
+      2,
+      {"driver": os.getpid()},
+      devices_per_process=3,
+      env={1: {"EC_TEST_MINE": "p1"}},
+      out_dir=str(tmp_path / start),
+      start=start,
+    )
+    got = res.check()
+    assert [g["process"] for g in got] == [[0, 2], [1, 2]], got
+    assert all(g["devices"] == [3, 6] and g["platform"] == "cpu" for g in got), got
+    assert [g["mine"] for g in got] == [None, "p1"], got
+    assert all(g["session_leader"] and g["cwd"] == str(tmp_path) for g in got), got
+    assert all(g["root_on_path"] and g["sum"] == 6.0 and g["leaked"] is None for g in got), got
+    assert [g["pid"] for g in got] == res.pids and len(set(res.pids)) == 2, (got, res.pids)
+    for i in range(2):
+      assert f"stdout of process {i}" in res.logs[i] and f"stderr of process {i}" in res.logs[i]
+    seen[start] = [g["parent_is_driver"] for g in got]
+  # spawned: children of this process; forked: children of the fork server
+  assert seen == {"spawn": [True, True], "fork": [False, False]}, seen
+
+
+@pytest.mark.parametrize("start", launcher.STARTS)
+def test_a_failing_process_reports_its_exit_status_and_traceback(tmp_path, start):
+  res = run_job(
+    "tests.test_launcher:whoami",
+    2,
+    {"driver": os.getpid(), "fail_on": 1},
+    devices_per_process=1,
+    out_dir=str(tmp_path),
+    start=start,
+  )
+  assert res.returncodes == [0, 1] and not res.timed_out, res.returncodes
+  assert "RuntimeError: this process was asked to fail" in res.errors[1], res.errors[1]
+  assert "RuntimeError" in res.logs[1], res.logs[1][-2000:]
+
+
+def test_a_forked_process_refuses_a_jax_variable_read_at_import(tmp_path):
+  res = run_job(
+    "tests.test_launcher:whoami",
+    1,
+    {"driver": os.getpid()},
+    devices_per_process=1,
+    env={0: {"JAX_ENABLE_X64": "1"}},
+    out_dir=str(tmp_path),
+    start="fork",
+  )
+  assert res.returncodes == [2], res.returncodes
+  assert "cannot change ['JAX_ENABLE_X64']" in res.logs[0], res.logs[0]
+  assert "start='spawn'" in res.logs[0], res.logs[0]
+
+
+def test_an_unknown_start_method_is_named(monkeypatch):
+  with pytest.raises(ValueError, match="start='forked'.*spawn"):
+    run_job("tests.test_launcher:whoami", 1, {}, start="forked")
+  monkeypatch.setenv(launcher.START_ENV, "exec")
+  with pytest.raises(ValueError, match="EC_LAUNCHER_START"):
+    run_job("tests.test_launcher:whoami", 1, {})

@@ -52,6 +52,7 @@ import tempfile
 import time
 
 from emergency_ckpt.bench import measure
+from emergency_ckpt.testing.launcher import start_note
 
 OURS, P2P = "emergency_ckpt", "orbax_p2p"
 SAVES = 2  # ours keeps 2 local steps by default; both are on the ramdisks
@@ -407,8 +408,9 @@ def markdown(doc: dict) -> str:
   if doc["errors"]:
     lines += ["", "Failed jobs:", ""]
     lines += [f"- `{k}`: {v}" for k, v in doc["errors"].items()]
-  for note in doc.get("notes", []):
-    lines += ["", note]
+  for note in [*doc.get("notes", []), start_note()]:
+    if note:
+      lines += ["", note]
   return "\n".join(lines) + "\n"
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from emergency_ckpt.bench import workers
 from emergency_ckpt.bench.adapters import MANAGERS, ORBAX_MS, ORBAX_P2P, OURS
 from emergency_ckpt.bench.figures import METRICS, MIB, SAME_JOB_WHY
+from emergency_ckpt.testing.launcher import start_note
 
 
 def _fmt(v, unit: str) -> str:
@@ -146,4 +147,6 @@ def markdown(doc: dict) -> str:
     " the same manager; every step hits both tiers of every manager (steps are"
     " multiples of 1000). The first-save row is the first warm-up save.",
   ]
+  if note := start_note():
+    lines.append(f"- {note}")
   return "\n".join(lines) + "\n"

@@ -21,6 +21,19 @@ after a timeout; first it asks each one still running for the Python stacks of
 all its threads (SIGUSR1, faulthandler), which land in its log, so a hang
 names the line it hung on.
 
+How the children start (`start`, default the environment variable
+EC_LAUNCHER_START, else "spawn"): "spawn" runs a fresh interpreter per
+process (what the demo and a benchmark's spawn-to-restored row measure);
+"fork" forks each from a server process that imported jax, orbax and
+tensorstore once (multiprocessing's forkserver), which saves each child
+about 1.2 CPU-seconds of imports. The test suite runs with fork
+(tests/conftest.py). A forked child is still its own OS process, with its
+own jax.distributed client, devices, sockets and log; it gets the same
+environment, working directory, import path, session and exit status as a
+spawned one. What it cannot change is what jax read from the environment at
+import: a JAX_* variable other than JAX_PLATFORMS that differs from the
+server's is refused (use start="spawn").
+
 Environment of each child (set by run_job): EC_JOB_COORD (coordinator
 address), EC_JOB_NPROC (process count), EC_JOB_PID (this process's index),
 EC_JOB_OUT (the job's output folder; `job_output_dir()`).
@@ -32,7 +45,9 @@ import dataclasses
 import faulthandler
 import importlib
 import importlib.util
+import io
 import json
+import multiprocessing
 import os
 import signal
 import socket
@@ -49,6 +64,9 @@ NPROC_ENV = "EC_JOB_NPROC"
 PID_ENV = "EC_JOB_PID"
 OUT_ENV = "EC_JOB_OUT"
 EXIT_WAIT_ENV = "EC_LAUNCHER_EXIT_WAIT_S"
+START_ENV = "EC_LAUNCHER_START"
+STARTS = ("spawn", "fork")
+FORK_PRELOAD = ("numpy", "jax", "tensorstore", "orbax.checkpoint")
 STACKS_SIGNAL = signal.SIGUSR1  # a child dumps every thread's stack to its log
 STACKS_WAIT_S = 1.0  # how long a timed-out job's children get to dump them
 
@@ -92,12 +110,20 @@ def run_job(
   timeout_s: float = 240,
   env: dict[int, dict[str, str]] | None = None,
   out_dir: str | None = None,
+  start: str | None = None,
 ) -> JobResult:
   """Runs `target` ("package.module:function") in `num_processes` processes
   of one jax.distributed job, each with `devices_per_process` CPU devices, and
   waits for them (at most `timeout_s`, then kills them). `env` adds variables
   per process index; `out_dir` (default: a fresh temporary folder) gets the
-  logs, pids and results. Called by: the driver (tests, demo, benchmark)."""
+  logs, pids and results; `start` is "spawn" or "fork" (module docstring;
+  default $EC_LAUNCHER_START, else "spawn"). Called by: the driver (tests,
+  demo, benchmark)."""
+  start = start or os.environ.get(START_ENV) or "spawn"
+  if start not in STARTS:
+    raise ValueError(
+      f"run_job: start={start!r} (from the argument or ${START_ENV}) is not one of {STARTS}"
+    )
   out_dir = out_dir or tempfile.mkdtemp(prefix="ecjob-")
   os.makedirs(out_dir, exist_ok=True)
   port = free_port()
@@ -124,6 +150,9 @@ def run_job(
     e.update((env or {}).get(i, {}))
     log_path = os.path.join(out_dir, f"log_{i}.txt")
     logs.append(log_path)
+    if start == "fork":
+      procs.append(_Forked(target, json.dumps(args), e, log_path, root))
+      continue
     with open(log_path, "wb") as log:
       procs.append(
         subprocess.Popen(
@@ -175,7 +204,100 @@ def run_job(
   )
 
 
-def _dump_stacks(procs: list[subprocess.Popen]) -> None:
+def start_note() -> str | None:
+  """For a benchmark's report: a sentence saying its jobs' processes were
+  forked ($EC_LAUNCHER_START=fork, the test suite's setting), so its spawn
+  rows time a fork; None when they spawn (the default)."""
+  if (os.environ.get(START_ENV) or "spawn") != "fork":
+    return None
+  return (
+    f"{START_ENV}=fork: the job processes were forked from a server that had imported"
+    " jax and Orbax, so rows timed from process spawn time a fork, not a spawn."
+  )
+
+
+_fork_context = None
+
+
+def _fork_server():
+  """multiprocessing's forkserver context, its server importing FORK_PRELOAD
+  once (started on first use, with this process's environment; it lives until
+  this process exits)."""
+  global _fork_context  # noqa: PLW0603 - one server per driver process
+  if _fork_context is None:
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(list(FORK_PRELOAD))
+    _fork_context = ctx
+  return _fork_context
+
+
+class _Forked:
+  """One job process forked from the fork server, with subprocess.Popen's
+  pid / poll() / wait(timeout) / returncode (negative: killed by that signal)."""
+
+  def __init__(self, target: str, raw_args: str, env: dict, log_path: str, root: str | None):
+    self._p = _fork_server().Process(
+      target=_forked_main,
+      args=(target, raw_args, env, log_path, root, os.getcwd()),
+      name=f"ec-job-{env.get(PID_ENV)}",
+    )
+    self._p.start()
+    self.pid = self._p.pid
+
+  @property
+  def returncode(self) -> int | None:
+    return self._p.exitcode
+
+  def poll(self) -> int | None:
+    return self._p.exitcode
+
+  def wait(self, timeout: float | None = None) -> int:
+    self._p.join(timeout)
+    if self._p.exitcode is None:
+      raise subprocess.TimeoutExpired(f"job process {self.pid}", timeout)
+    return self._p.exitcode
+
+
+def _forked_main(
+  target: str, raw_args: str, env: dict, log_path: str, root: str | None, cwd: str
+) -> None:
+  """In a child of the fork server: becomes what Popen would have started
+  (own session, stdout and stderr to the log, the job's environment, working
+  directory and import path), then runs _worker_main, which exits."""
+  os.setsid()
+  fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+  os.dup2(fd, 1)
+  os.dup2(fd, 2)
+  os.close(fd)
+  sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
+  sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True)
+  read_at_import = {k: v for k, v in os.environ.items() if k.startswith("JAX_")}
+  os.environ.clear()
+  os.environ.update(env)
+  os.chdir(cwd)
+  if root is not None and root not in sys.path:
+    sys.path.insert(0, root)
+  wanted = {k: v for k, v in os.environ.items() if k.startswith("JAX_")}
+  changed = sorted(
+    k for k in read_at_import.keys() | wanted.keys() if read_at_import.get(k) != wanted.get(k)
+  )
+  import jax  # noqa: PLC0415 - imported by the server already
+
+  if "JAX_PLATFORMS" in changed:
+    jax.config.update("jax_platforms", wanted.get("JAX_PLATFORMS"))
+    changed.remove("JAX_PLATFORMS")
+  if changed:
+    print(
+      f"launcher: a forked job process cannot change {changed}: jax read them when the"
+      f" fork server imported it. Run this job with start='spawn' (or {START_ENV}=spawn).",
+      file=sys.stderr,
+    )
+    os._exit(2)
+  sys.argv = [__file__, target, raw_args]
+  _worker_main()
+
+
+def _dump_stacks(procs: list) -> None:
   """Asks every child still running to write its threads' stacks to its log
   (each registered STACKS_SIGNAL with faulthandler; the handler writes at
   once, from C), then gives them STACKS_WAIT_S to be scheduled."""
