@@ -21,8 +21,7 @@ def _hang_timeout_s(start: str | None = None) -> float:
   """How long a job that hangs at once gets: its processes must start and
   reach the hang first (a forked one in well under a second, a spawned one
   imports jax and Orbax first)."""
-  start = start or os.environ.get(launcher.START_ENV) or "spawn"
-  return 15 if start == "spawn" else 6
+  return 15 if (start or launcher.default_start()) == "spawn" else 6
 
 
 def _stuck_in_a_named_function(seconds: float) -> None:

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import faulthandler
+import functools
 import importlib
 import importlib.util
 import io
@@ -119,7 +120,7 @@ def run_job(
   logs, pids and results; `start` is "spawn" or "fork" (module docstring;
   default $EC_LAUNCHER_START, else "spawn"). Called by: the driver (tests,
   demo, benchmark)."""
-  start = start or os.environ.get(START_ENV) or "spawn"
+  start = start or default_start()
   if start not in STARTS:
     raise ValueError(
       f"run_job: start={start!r} (from the argument or ${START_ENV}) is not one of {STARTS}"
@@ -204,11 +205,16 @@ def run_job(
   )
 
 
+def default_start() -> str:
+  """How run_job starts processes when not told: $EC_LAUNCHER_START, else "spawn"."""
+  return os.environ.get(START_ENV) or "spawn"
+
+
 def start_note() -> str | None:
   """For a benchmark's report: a sentence saying its jobs' processes were
   forked ($EC_LAUNCHER_START=fork, the test suite's setting), so its spawn
   rows time a fork; None when they spawn (the default)."""
-  if (os.environ.get(START_ENV) or "spawn") != "fork":
+  if default_start() != "fork":
     return None
   return (
     f"{START_ENV}=fork: the job processes were forked from a server that had imported"
@@ -216,19 +222,14 @@ def start_note() -> str | None:
   )
 
 
-_fork_context = None
-
-
+@functools.cache
 def _fork_server():
   """multiprocessing's forkserver context, its server importing FORK_PRELOAD
   once (started on first use, with this process's environment; it lives until
   this process exits)."""
-  global _fork_context  # noqa: PLW0603 - one server per driver process
-  if _fork_context is None:
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(list(FORK_PRELOAD))
-    _fork_context = ctx
-  return _fork_context
+  ctx = multiprocessing.get_context("forkserver")
+  ctx.set_forkserver_preload(list(FORK_PRELOAD))
+  return ctx
 
 
 class _Forked:
@@ -277,7 +278,7 @@ def _forked_main(
   os.chdir(cwd)
   if root is not None and root not in sys.path:
     sys.path.insert(0, root)
-  wanted = {k: v for k, v in os.environ.items() if k.startswith("JAX_")}
+  wanted = {k: v for k, v in env.items() if k.startswith("JAX_")}
   changed = sorted(
     k for k in read_at_import.keys() | wanted.keys() if read_at_import.get(k) != wanted.get(k)
   )
