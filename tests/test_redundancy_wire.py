@@ -541,6 +541,35 @@ def test_a_member_whose_write_failed_drops_the_step_at_once(tmp_path):
       r.close()
 
 
+def test_every_chunk_is_sent_when_one_member_fails_at_once(monkeypatch):
+  """A member whose chunk to one member fails still sends its chunks to the
+  others (they then drop the step at once instead of waiting for it until
+  the timeout). The sending pool is cut to one thread so the second chunk
+  starts only after the first failed: the CI failure of stop 30, where
+  pool.map cancelled a chunk not yet started under load."""
+  import concurrent.futures  # noqa: PLC0415
+
+  real = concurrent.futures.ThreadPoolExecutor
+
+  class OneThread(real):
+    def __init__(self, max_workers=None, *args, **kwargs):
+      super().__init__(1, *args, **kwargs)
+
+  monkeypatch.setattr(concurrent.futures, "ThreadPoolExecutor", OneThread)
+  offers = {p: {"host": "h", "port": p, "token": ""} for p in (10, 11, 12)}
+  asked = []
+
+  def send_one(offer: dict, header: dict, off: int, length: int) -> dict:
+    asked.append(offer["port"])
+    if offer["port"] == 10:
+      raise OSError("member 0 refused")
+    return {"error": "member 1 did not write step 6"}
+
+  with pytest.raises(OSError, match="member 0 refused"):
+    xor._send_chunks(offers, [10, 11, 12], 1, 6, 64, send_one)  # noqa: SLF001
+  assert asked == [10, 12]
+
+
 def test_a_member_whose_write_failed_tells_its_group_after_the_write(tmp_path):
   """Sending after the write (no overlap), a member whose local write
   failed sends an empty chunk with the error (xor.send_failure): the

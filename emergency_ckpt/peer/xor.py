@@ -155,6 +155,10 @@ class _NotWritten(OSError):
   """A member's local write of the step failed (its chunk's trailer)."""
 
 
+class _GivenUp(OSError):
+  """The step was given up while this chunk arrived (its rest was read)."""
+
+
 class _Pending:
   """One step's parity block while its chunks arrive."""
 
@@ -257,9 +261,8 @@ class ParityReceiver(stream.Listener):
       _drain(conn, length)
       raise OSError(late)
     with pending.lock:
-      if pending.error is not None:
-        raise OSError(pending.error)
-      if pending.block is None:
+      why = pending.error
+      if why is None and pending.block is None:
         os.makedirs(self._dir, mode=0o700, exist_ok=True)
         tmp = os.path.join(self._dir, layout.tmp_step_dir_name(step))
         os.mkdir(tmp, 0o700)
@@ -270,8 +273,11 @@ class ParityReceiver(stream.Listener):
         except BaseException:
           shutil.rmtree(tmp, ignore_errors=True)
           raise
-      else:
+      elif why is None:
         pending.block.grow(length)
+    if why is not None:  # given up already: read (so the sender gets the answer), dropped
+      _drain(conn, length)
+      raise OSError(why)
     view = memoryview(bytearray(min(_PIECE, max(length, 1))))
     piece = np.frombuffer(view, np.uint8)
     pos = 0
@@ -280,11 +286,14 @@ class ParityReceiver(stream.Listener):
         n = stream.recv_some(conn, view[: min(len(view), length - pos)])
         if not n:
           raise ConnectionError(f"connection closed after {pos} of {length} bytes")
-        with pending.lock:
-          if pending.block is None:
-            raise OSError(pending.error or f"step {step} was given up")
-          pending.block.add(pos, piece[:n])
         pos += n
+        with pending.lock:
+          dropped = pending.block is None
+          if not dropped:
+            pending.block.add(pos - n, piece[:n])
+        if dropped:  # given up meanwhile: the rest read (the sender gets the answer)
+          _drain(conn, length - pos)
+          raise _GivenUp(pending.error or f"step {step} was given up")
       # After the bytes, the sender's manifest of the step, once its local
       # write is complete (or why it failed: the step is given up at once).
       try:
@@ -294,7 +303,7 @@ class ParityReceiver(stream.Listener):
     except BaseException as e:  # a torn chunk poisons the step's block: drop it
       why = (
         str(e)
-        if isinstance(e, _NotWritten)
+        if isinstance(e, (_NotWritten, _GivenUp))
         else f"member {i}'s chunk of step {step} was cut off ({e})"
       )
       self._give_up(step, pending, why)
@@ -562,7 +571,11 @@ def _send_chunks(
 
   others = [j for j in range(k) if j != member]
   with concurrent.futures.ThreadPoolExecutor(len(others), "ec-xor-send") as pool:
-    return sum(pool.map(one, others))
+    # Every chunk is sent even when one fails (pool.map would cancel those
+    # not started yet: their members would then wait for them until the
+    # timeout instead of dropping the step at once).
+    futures = [pool.submit(one, j) for j in others]
+    return sum(f.result() for f in futures)
 
 
 class RangeServer(stream.Server):
