@@ -22,7 +22,16 @@ x 4, 64 = 16 x 4):
                (1 + `latest_reps` times: the first is what a restart pays,
                `latest_step_again_s` the median of the others) and restore():
                the intact slices read their own ramdisk, the wiped ones receive
-               the step from peer slices. Each process times its own call.
+               the step from peer slices. Each process times its own call,
+               then waits at one more barrier (untimed) before it checks the
+               restored values, closes its manager and exits: without it, the
+               processes that finished first did that work while the others
+               still restored, and on this machine's few cores it delayed
+               them (a per-phase trace of the 64-process job, 2026-11-27:
+               the slowest restore() ended 1.98 and 2.15 s after the start
+               without it, 1.12 and 1.13 s with it). The library's own
+               background work after restore() (Orbax's set-up, the next
+               save's staging buffer) still runs beside the slower restores.
 
 The total bytes are the same at every N: `total_mib` is what the whole job
 holds (every slice's copy of the state, summed over processes), so the state
@@ -210,6 +219,9 @@ def restart_worker(args: dict) -> dict:
     r = mngr.restore(abstract)
     out["restore_s"] = time.monotonic() - t
     out["restore_cpu_s"] = time.process_time() - c
+    # Untimed: nobody checks, closes or exits while others still restore
+    # (on 2 cores that work delayed the last restores: module docstring).
+    barrier("scale-real-restored")
     out.update(
       latest=latest,
       step=r.step,
