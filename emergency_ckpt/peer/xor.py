@@ -251,31 +251,18 @@ class ParityReceiver(stream.Listener):
     if header["group"] != self._group or i == self._member or not 0 <= i < k:
       raise ValueError(f"a chunk from member {i} of group {header['group']}, not of {self._group}")
     with self._lock:
-      late = self._late(step, i, k)
-      if late is None:
+      why = self._late(step, i, k)  # a late chunk of an attempt given up
+      if why is None:
         pending = self._pending.setdefault(step, _Pending(k))
         if i in pending.seen or i in pending.arriving:
           raise ValueError(f"member {i} sent step {step} twice")
         pending.arriving.add(i)
-    if late is not None:  # read (so the sender gets the answer), dropped
-      _drain(conn, length)
-      raise OSError(late)
-    with pending.lock:
-      why = pending.error
-      if why is None and pending.block is None:
-        os.makedirs(self._dir, mode=0o700, exist_ok=True)
-        tmp = os.path.join(self._dir, layout.tmp_step_dir_name(step))
-        os.mkdir(tmp, 0o700)
-        try:
-          dest = os.path.join(tmp, PARITY_FILE)
-          reused = layout.take_spare(self._dir, PARITY_FILE, dest, self._mapped)
-          pending.block = _Block(tmp, reused, length)
-        except BaseException:
-          shutil.rmtree(tmp, ignore_errors=True)
-          raise
-      elif why is None:
-        pending.block.grow(length)
-    if why is not None:  # given up already: read (so the sender gets the answer), dropped
+    if why is None:
+      with pending.lock:
+        why = pending.error  # given up since
+        if why is None:
+          self._open(pending, step, length)
+    if why is not None:  # refused: read (so the sender gets the answer), dropped
       _drain(conn, length)
       raise OSError(why)
     view = memoryview(bytearray(min(_PIECE, max(length, 1))))
@@ -322,6 +309,23 @@ class ParityReceiver(stream.Listener):
         pending.give_up(f"{type(e).__name__}: {e}")
       pending.done.set()
     return pending, complete
+
+  def _open(self, pending: _Pending, step: int, length: int) -> None:
+    """Under pending.lock: the step's block, made by its first chunk (over
+    the spare, if there is one), else grown to `length`."""
+    if pending.block is not None:
+      pending.block.grow(length)
+      return
+    os.makedirs(self._dir, mode=0o700, exist_ok=True)
+    tmp = os.path.join(self._dir, layout.tmp_step_dir_name(step))
+    os.mkdir(tmp, 0o700)
+    try:
+      dest = os.path.join(tmp, PARITY_FILE)
+      reused = layout.take_spare(self._dir, PARITY_FILE, dest, self._mapped)
+      pending.block = _Block(tmp, reused, length)
+    except BaseException:
+      shutil.rmtree(tmp, ignore_errors=True)
+      raise
 
   def _late(self, step: int, i: int, k: int) -> str | None:
     """Under _lock: why member `i`'s chunk of `step` is refused (a late

@@ -1,8 +1,12 @@
+import os
 import statistics
 import sys
 
-sys.path.insert(0, "/tmp/exp")
 from emergency_ckpt.testing import launcher
+
+# the job processes import the worker module from this folder
+HERE = os.path.dirname(os.path.abspath(__file__))
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [HERE, os.environ.get("PYTHONPATH")]))
 
 for n in [int(x) for x in sys.argv[1].split(",")]:
   res = launcher.run_job(

@@ -1,10 +1,14 @@
 import json
+import os
 import statistics
 import sys
 
-sys.path.insert(0, "/tmp/exp")
 from emergency_ckpt.bench import scale_real
 from emergency_ckpt.testing import launcher
+
+# the job processes import the worker module from this folder
+HERE = os.path.dirname(os.path.abspath(__file__))
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [HERE, os.environ.get("PYTHONPATH")]))
 
 scale_real.WORKERS = "trace_worker"
 CAP = []
@@ -36,4 +40,4 @@ for _rep in range(reps):
       f"n={n}: restore max {max(r['restore_s'] for r in recs):.3f} median {statistics.median(r['restore_s'] for r in recs):.3f}",
       flush=True,
     )
-json.dump(out, open(sys.argv[3] if len(sys.argv) > 3 else "/tmp/exp/trace.json", "w"))
+json.dump(out, open(sys.argv[3] if len(sys.argv) > 3 else "trace.json", "w"))

@@ -88,7 +88,7 @@ def restart_worker(args):
         pr.disable()
         s = io.StringIO()
         pstats.Stats(pr, stream=s).sort_stats("cumulative").print_stats(45)
-        open(f"/tmp/exp/prof_{jax.process_index()}.txt", "w").write(s.getvalue())
+        open(f"prof_{jax.process_index()}.txt", "w").write(s.getvalue())
 
     manager.CheckpointManager.restore = r3
   out = scale_real.restart_worker(args)
