@@ -23,20 +23,47 @@ from emergency_ckpt.staging import lower_thread_priority
 logger = logging.getLogger("emergency_ckpt")
 
 
+class Lane(concurrent.futures.ThreadPoolExecutor):
+  """One lane: a serial executor (one thread) that remembers its last task,
+  so that waiting for what is queued costs nothing on an idle lane. A no-op
+  task to wait for starts the lane's thread if it has none, or hands off to
+  it and back: a scheduling round each, which took milliseconds per call
+  with 64 processes on 2 cores, twice per lane before every restore()."""
+
+  def __init__(self, name: str, initializer: Callable[[], Any] | None = None):
+    super().__init__(1, name, initializer=initializer)
+    self._last_lock = threading.Lock()
+    self._last: concurrent.futures.Future | None = None
+
+  def submit(self, fn, /, *args, **kwargs) -> concurrent.futures.Future:
+    with self._last_lock:  # the lane runs tasks in this order
+      fut = super().submit(fn, *args, **kwargs)
+      self._last = fut
+    return fut
+
+  def wait_queued(self) -> None:
+    """Blocks until every task submitted so far is done; never raises their
+    errors (their owners do). Not from the lane's own thread."""
+    with self._last_lock:
+      last = self._last
+    if last is not None:
+      concurrent.futures.wait([last])
+
+
 class Background:
   """Named serial lanes and the futures of tracked tasks."""
 
   def __init__(self, log_prefix: str = ""):
     self._log_prefix = log_prefix
     self._lock = threading.Lock()
-    self._lanes: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
+    self._lanes: dict[str, Lane] = {}
     self._pending: list[concurrent.futures.Future] = []
     self._errors: list[BaseException] = []  # not raised yet
     self._raised: list[BaseException] = []  # raised before their callback ran
     self._failed = False
     self._closed = False
 
-  def lane(self, name: str, *, low_priority: bool = False) -> concurrent.futures.Executor:
+  def lane(self, name: str, *, low_priority: bool = False) -> Lane:
     """The serial executor named `name` (created on first use). Its thread
     runs at the lowest CPU priority if `low_priority` (work that only
     prepares for later). RuntimeError for a new lane after close()."""
@@ -45,11 +72,7 @@ class Background:
       if lane is None:
         if self._closed:
           raise RuntimeError(f"background lane {name!r} requested after close()")
-        lane = concurrent.futures.ThreadPoolExecutor(
-          1,
-          f"ec-{name}",
-          initializer=lower_thread_priority if low_priority else None,
-        )
+        lane = Lane(f"ec-{name}", lower_thread_priority if low_priority else None)
         self._lanes[name] = lane
       return lane
 
@@ -136,7 +159,7 @@ class Background:
 
   def flush(self, lane: str) -> None:
     """Blocks until the tasks queued on `lane` so far are done."""
-    self.lane(lane).submit(lambda: None).result()
+    self.lane(lane).wait_queued()
 
   def close(self, lanes: tuple[str, ...] = ()) -> None:
     """Shuts down `lanes` first, in order, then every other lane; waits for

@@ -508,7 +508,7 @@ class LocalTier:
 
   def wait(self) -> None:
     """Blocks until every queued write finished."""
-    self._writer.submit(lambda: None).result()
+    self._writer.wait_queued()
 
   # ---- read ----------------------------------------------------------------
   def read(self, step: int, paths: Sequence[str], abstract: Sequence[Any]) -> LocalStep:

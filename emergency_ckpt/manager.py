@@ -65,6 +65,9 @@ _CLOSE_ORDER = (
   "commit-watch",
   "retention",
 )
+# close() waits at most this long for the primary's queued key deletions
+# (Collectives: they only free the coordination service's memory).
+_KEY_DELETE_WAIT_S = 5.0
 
 
 class CheckpointManager:
@@ -474,6 +477,8 @@ class CheckpointManager:
       self._staging.close()
       self._persistent.close(abandon=self._background.failed)
       self._events.close()
+      # Its thread idle before the caller may shut jax.distributed down.
+      self._collectives.wait_deleted(_KEY_DELETE_WAIT_S)
 
   def __enter__(self) -> CheckpointManager:
     return self

@@ -30,12 +30,15 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from emergency_ckpt import shards as shards_lib
 from emergency_ckpt.colocated import StagingWindow
+
+if TYPE_CHECKING:
+  from emergency_ckpt.background import Lane
 
 logger = logging.getLogger("emergency_ckpt")
 
@@ -242,7 +245,7 @@ class StagingArea:
     *,
     buffers: int,
     job: str | None,
-    preparer: concurrent.futures.Executor,
+    preparer: Lane,
     filler: concurrent.futures.Executor | None = None,
     device_snapshot: bool = False,
   ):
@@ -328,7 +331,7 @@ class StagingArea:
 
   def wait_prepared(self) -> None:
     """Blocks until prepare()'s queued work is done."""
-    self._preparer.submit(lambda: None).result()
+    self._preparer.wait_queued()
 
   def close(self) -> None:
     """Drops the free buffers and leaves the staging window (after the

@@ -148,14 +148,17 @@ def test_gather_tree_gives_everyone_one_summary_and_nobody_every_value(job):
   assert [sum(c > 3 for c in calls[i : i + 3]) for i in (0, 3)] == [1, 1], calls  # one per slice
   for c in counted:
     assert c.bytes_received < 3000  # at most its own slice's values, never all six
-  # the next job-wide barrier lets the primary delete the finished exchange's keys
+  # the next job-wide barrier lets the primary delete the finished exchange's
+  # keys, on a thread of its own (off the path to the next exchange)
   _all(cols, lambda c: c.barrier("next"))
+  assert cols[0].wait_deleted(10)
   assert _calls(counted) == [3] + [2] * 5
   left = [k for k, _ in counted[0].key_value_dir_get("emergency_ckpt/t/")]
   assert left and all("/next/" in k for k in left), left
   # so does the next gather_tree, once every slice's summary is in
   got = _all(cols, run)
   assert got == [[[0, 3, 3], [1, 12, 3]]] * 6
+  assert cols[0].wait_deleted(10)
   assert counted[0].calls["key_value_delete"] == 1
   left = [k for k, _ in counted[0].key_value_dir_get("emergency_ckpt/t/")]
   assert left and all("/inv/1/" in k for k in left), left  # the first (inv/0) and next: gone

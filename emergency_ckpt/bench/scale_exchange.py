@@ -225,6 +225,7 @@ class ClientGroup:
     ]
     self.clients = [CountingClient(c) for c in self._raw]
     self._fns: dict[str, Callable[[int, int], bool]] | None = None
+    self._colls: dict[int, Any] = {}  # {process: its Collectives}, from _setup
 
   def connect(self, release: Callable[[], float | None]) -> dict[str, Any]:
     """Connects every client (each blocks until all K have registered)."""
@@ -252,6 +253,7 @@ class ClientGroup:
       i: Collectives(topology(k, i), namespace=f"scale-k{k}", timeout_s=timeout_s, client=c)
       for i, c in zip(self.indices, self.clients)
     }
+    self._colls = colls
     payloads = [inventory_payload(i, i // per) for i in range(k)]
     self.payload_sizes = [len(json.dumps(p, sort_keys=True)) for p in payloads]
     invs = [restore_plan.Inventory.from_json(p) for p in payloads]
@@ -304,6 +306,8 @@ class ClientGroup:
     t0, ends, cpu, ok = _run_released(
       self.indices, lambda i: fn(i, rep), self.timeout_s, f"{what}-k{self.k}", release
     )
+    for coll in self._colls.values():  # the primary deletes keys on a thread of its own:
+      coll.wait_deleted(self.timeout_s)  # counted in this round, whatever the timing
     cpu_all = _cpu_s() - c0
     if what == "gather":  # outside the timed part
       ok = [self._got.get(i) == self._want for i in self.indices]
