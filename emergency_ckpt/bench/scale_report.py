@@ -150,7 +150,15 @@ def _real_jobs(real: dict[str, Any] | None) -> list[str]:
     f" {first['processes_per_slice']} processes per slice, the same"
     f" {first['total_bytes'] / 2**20:,.0f} MiB in all at every size; the last"
     f" {first['wiped_slices']} slices' ramdisks wiped before the restart. Each process"
-    " times its own call after a barrier; max (what the job waits for) / median over"
+    " times its own call, each started on every process at one instant (a barrier,"
+    " then a sleep until a time process 0 publishes)"
+    + (
+      " (the latest woke"
+      f" {max(real[str(n)]['start_late_s']['max'] for n in counts) * 1e3:.1f} ms past it)"
+      if "start_late_s" in first
+      else ""
+    )
+    + "; max (what the job waits for) / median over"
     " processes. Restored values checked bit-for-bit."
     + (
       f" Every size ran {first['reps']} times, in turn; each figure is the median over"
