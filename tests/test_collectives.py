@@ -335,3 +335,33 @@ def test_a_new_client_starts_its_own_sequence():
 
   for _ in range(200):
     assert topology._next_key("seq-test", "x", Client()).endswith("/x/0")
+
+
+def test_the_primarys_key_deletions_never_hold_up_its_next_exchange(job):
+  """The primary deletes finished exchanges' keys on a thread of its own: a
+  deletion stuck at the service (here: held until released) does not delay
+  the primary's next exchanges, and it is done once released."""
+  import threading  # noqa: PLC0415
+
+  cols, counted = job
+  gate = threading.Event()
+  inner = counted[0]._client  # noqa: SLF001 - the primary's real client
+
+  class Held:
+    def __getattr__(self, name):
+      return getattr(inner, name)
+
+    def key_value_delete(self, key):
+      gate.wait(30)
+      return inner.key_value_delete(key)
+
+  counted[0]._client = Held()  # noqa: SLF001
+  _all(cols, lambda c: c.barrier("one"))
+  _all(cols, lambda c: c.barrier("two"))  # the primary queues barrier one's keys
+  got = _all(cols, lambda c: c.gather_sparse("three", c.topology.process_index or None))
+  assert got == [{p: p for p in range(1, 6)}] * 6  # not held up by the deletion
+  assert not cols[0].wait_deleted(0.2)  # still held
+  gate.set()
+  assert cols[0].wait_deleted(20)
+  left = {k.split("/")[2] for k, _ in inner.key_value_dir_get("emergency_ckpt/t/")}
+  assert "one" not in left and "two" not in left and "three" in left, left

@@ -89,3 +89,33 @@ def test_background_lanes_run_in_order_and_close_waits():
   assert seen[-1] == 20
   bg.try_submit("lane", seen.append, 21)  # closing: ignored, no error
   assert seen[-1] == 20
+
+
+def test_waiting_on_a_lane_waits_for_its_last_task_without_a_task_of_its_own():
+  """Lane.wait_queued (behind LocalTier.wait, StagingArea.wait_prepared and
+  Background.flush) waits for the lane's last task: an idle lane returns
+  at once without starting its thread, a failed task is not raised there
+  (its owner raises it), and a queue of tasks is waited out in full."""
+  import threading  # noqa: PLC0415
+
+  bg = Background()
+  lane = bg.lane("idle")
+  lane.wait_queued()
+  assert not lane._threads  # noqa: SLF001 - no thread started for nothing
+
+  busy = bg.lane("busy")
+  gate, seen = threading.Event(), []
+  busy.submit(gate.wait)
+  for i in range(5):
+    busy.submit(seen.append, i)
+  waiter = threading.Thread(target=busy.wait_queued)
+  waiter.start()
+  waiter.join(0.2)
+  assert waiter.is_alive() and seen == []  # still behind the gate
+  gate.set()
+  waiter.join(10)
+  assert not waiter.is_alive() and seen == list(range(5))
+
+  busy.submit(lambda: 1 / 0)
+  busy.wait_queued()  # the failure is its submitter's to raise
+  bg.close()
