@@ -6,18 +6,9 @@
 # Wheels for what the image lacks travel in .whl (see session.sh).
 # Results: $OUT/scale.tgz (run<N>.json, logs) and the console.
 set -u
-PY=${PY:-python3}
 BUDGET_S=${BUDGET_S:-480}
-RES=${RES:-/tmp/ec-scale-results}
-rm -rf "$RES"; mkdir -p "$RES"
-export PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
+RES_DEFAULT=/tmp/ec-scale-results
+source benchmarks/device/setup.sh
 start=$SECONDS
 { nproc; free -g | head -2; uptime
   $PY -c "import jax, importlib.metadata as m; print(*(p + ' ' + m.version(p) for p in ('jax', 'jaxlib', 'orbax-checkpoint', 'tensorstore')))"

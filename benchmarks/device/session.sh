@@ -13,18 +13,9 @@
 #   STALL_ARGS="--matmuls 1 --matmul-size 64" bash benchmarks/device/session.sh
 # Results: benchmarks/results/2026-11-26g-device-h200/, 2026-11-27a-device-h200-redundancy/.
 set -u
-PY=${PY:-python3}
 BUDGET_S=${BUDGET_S:-480}
-RES=${RES:-/tmp/ec-device-results}
-rm -rf "$RES"; mkdir -p "$RES"
-export PYTHONUNBUFFERED=1
-if [ -z "${NO_WHEELS:-}" ] && ls .whl/*.whl >/dev/null 2>&1; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
+RES_DEFAULT=/tmp/ec-device-results
+source benchmarks/device/setup.sh
 start=$SECONDS
 left() { echo $((BUDGET_S - (SECONDS - start))); }
 part() {  # part NAME LIMIT_S CMD...: runs CMD if LIMIT_S still fits the budget
