@@ -189,8 +189,8 @@ def save_worker(args: dict) -> dict:
 def restart_worker(args: dict) -> dict:
   """Job 2, every process: wipes its ramdisk if its slice is among
   args['wipe'], then times the Orbax import, the manager's construction,
-  latest_step() (1 + args['latest_reps'] times) and restore(), each after a
-  barrier."""
+  latest_step() (1 + args['latest_reps'] times) and restore(), each started
+  on every process at one instant (bench.sync.start_together)."""
   import emergency_ckpt as ec  # noqa: PLC0415
   from emergency_ckpt.bench.sync import barrier, start_together  # noqa: PLC0415
   from emergency_ckpt.topology import topology_from_mesh  # noqa: PLC0415
