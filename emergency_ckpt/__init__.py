@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 # public name -> module that defines it
 _EXPORTS = {
   "CheckpointManager": "emergency_ckpt.manager",
-  "RestoreResult": "emergency_ckpt.restorer",
-  "StepMetadata": "emergency_ckpt.inventory",
+  "RestoreResult": "emergency_ckpt.restore.restorer",
+  "StepMetadata": "emergency_ckpt.restore.inventory",
   "CheckpointManagerOptions": "emergency_ckpt.options",
   "LocalTierOptions": "emergency_ckpt.options",
   "PeerOptions": "emergency_ckpt.options",
@@ -112,7 +112,6 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, eagerly
     TopologyMismatchError,
     UnsafeDirectoryError,
   )
-  from emergency_ckpt.inventory import StepMetadata
   from emergency_ckpt.manager import CheckpointManager
   from emergency_ckpt.options import (
     CheckpointManagerOptions,
@@ -120,4 +119,5 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, eagerly
     PeerOptions,
     PersistentTierOptions,
   )
-  from emergency_ckpt.restorer import RestoreResult
+  from emergency_ckpt.restore.inventory import StepMetadata
+  from emergency_ckpt.restore.restorer import RestoreResult

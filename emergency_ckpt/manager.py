@@ -17,9 +17,17 @@ from typing import Any
 import jax
 from etils import epath
 
-from emergency_ckpt import layout, persistent_layout, policies, redundancy, retention
-from emergency_ckpt import shards as shards_lib
-from emergency_ckpt.background import Background
+from emergency_ckpt.cluster.topology import (
+  Collectives,
+  host_identity,
+  job_key,
+  reached_preemption,
+  topology_from_mesh,
+)
+from emergency_ckpt.core import layout
+from emergency_ckpt.core import shards as shards_lib
+from emergency_ckpt.core.records import StepRecords, check_metrics
+from emergency_ckpt.core.telemetry import EventLog
 from emergency_ckpt.errors import (
   DataStateError,
   EmergencyCheckpointError,
@@ -28,29 +36,25 @@ from emergency_ckpt.errors import (
   StepAlreadyExistsError,
   StepError,
 )
-from emergency_ckpt.inventory import Inventory, StepMetadata
-from emergency_ckpt.local_tier import LocalTier
+from emergency_ckpt.local.tier import LocalTier
 from emergency_ckpt.options import CheckpointManagerOptions
-from emergency_ckpt.orbax_loader import OrbaxLoader
-from emergency_ckpt.persistent_tier import PersistentTier, upload_memory_kind
-from emergency_ckpt.records import StepRecords, check_metrics
-from emergency_ckpt.restorer import Restorer, RestoreResult
-from emergency_ckpt.retainer import Retainer
-from emergency_ckpt.saving import SavePipeline
-from emergency_ckpt.staging import StagingArea
-from emergency_ckpt.state_store import (
+from emergency_ckpt.persistent import layout as persistent_layout
+from emergency_ckpt.persistent.orbax_loader import OrbaxLoader
+from emergency_ckpt.persistent.tier import PersistentTier, upload_memory_kind
+from emergency_ckpt.redundancy import links as redundancy
+from emergency_ckpt.restore.inventory import Inventory, StepMetadata
+from emergency_ckpt.restore.restorer import Restorer, RestoreResult
+from emergency_ckpt.retention import rules as retention
+from emergency_ckpt.retention.retainer import Retainer
+from emergency_ckpt.runtime.background import Background
+from emergency_ckpt.runtime.staging import StagingArea
+from emergency_ckpt.save import policies
+from emergency_ckpt.save.pipeline import SavePipeline
+from emergency_ckpt.state.store import (
   SavedDataStates,
   StateStore,
   decode_data_state,
   encode_data_state,
-)
-from emergency_ckpt.telemetry import EventLog
-from emergency_ckpt.topology import (
-  Collectives,
-  host_identity,
-  job_key,
-  reached_preemption,
-  topology_from_mesh,
 )
 
 logger = logging.getLogger("emergency_ckpt")

@@ -403,7 +403,7 @@ class CheckpointManagerOptions:
 
   def retention(self, tier: str):
     """The retention rules of `tier` ("local" or "persistent")."""
-    from emergency_ckpt.retention import Rules  # noqa: PLC0415 - retention imports errors only
+    from emergency_ckpt.retention.rules import Rules  # noqa: PLC0415 - retention imports errors only
 
     t = getattr(self, tier)
     return Rules(

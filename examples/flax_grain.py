@@ -54,7 +54,7 @@ import shutil
 import sys
 import tempfile
 
-from emergency_ckpt.testing.launcher import run_job
+from emergency_ckpt.demo.launcher import run_job
 
 TARGET = "examples.flax_grain_trainer:train"
 SLICES = 2

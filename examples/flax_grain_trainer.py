@@ -19,7 +19,7 @@ What a real data-parallel multi-slice trainer does, at toy size:
 - checkpoints: save every step (the manager decides which steps hit a tier);
   on a restart, restore before the loop and continue from r.step + 1.
 
-`train(args)` is what `emergency_ckpt.testing.launcher.run_job` runs in each process;
+`train(args)` is what `emergency_ckpt.demo.launcher.run_job` runs in each process;
 examples/flax_grain.py is the driver. Each process appends one JSON line per
 step to a trace file (loss, iterator state, the ids of the examples it fed),
 which survives a crash.

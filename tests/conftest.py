@@ -7,9 +7,16 @@ os.environ.setdefault("FSSPEC_GCS_TOKEN", "anon")
 os.environ.setdefault("GOOGLE_AUTH_TOKEN_FOR_TESTING", "dummy")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Job processes fork from a server that imported jax and Orbax once
-# (emergency_ckpt.testing.launcher); EC_LAUNCHER_START=spawn runs each as a
+# (emergency_ckpt.demo.launcher); EC_LAUNCHER_START=spawn runs each as a
 # fresh interpreter instead.
 os.environ.setdefault("EC_LAUNCHER_START", "fork")
+# The research studies (benchmarks/) and the harness (tests/harness/) are
+# imported from the checkout, not the wheel: subprocesses that run
+# `python -m benchmarks.<study>` from a temporary folder find them here.
+_CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+os.environ["PYTHONPATH"] = os.pathsep.join(
+  p for p in (_CHECKOUT, os.environ.get("PYTHONPATH")) if p
+)
 
 import tempfile  # noqa: E402
 
@@ -61,7 +68,7 @@ def shm_dir():
 def gcs_server(tmp_path_factory):
   """One fake-gcs-server for the session; points gcsfs and tensorstore (here
   and in every child process, which inherits os.environ) at it."""
-  from tests.gcs_server import GcsServer  # noqa: PLC0415
+  from tests.harness.gcs_server import GcsServer  # noqa: PLC0415
 
   server = GcsServer(log_dir=str(tmp_path_factory.mktemp("fakegcs"))).start()
   saved = {k: os.environ.get(k) for k in server.env}
@@ -83,10 +90,10 @@ def gcs_bucket(gcs_server):
 
 @pytest.fixture
 def gcs_proxy(gcs_server):
-  """A fault-injecting proxy (tests/gcs_proxy.py) in front of the session's
+  """A fault-injecting proxy (tests/harness/gcs_proxy.py) in front of the session's
   fake-gcs-server, stopped afterwards. Not put in os.environ: point a client
   at it with monkeypatch.setenv(...) or run_job(env=...) from `gcs_proxy.env`."""
-  from tests.gcs_proxy import GcsProxy  # noqa: PLC0415
+  from tests.harness.gcs_proxy import GcsProxy  # noqa: PLC0415
 
   proxy = GcsProxy(gcs_server.url).start()
   yield proxy

@@ -492,7 +492,7 @@ class Recorder:
 def run_jobs(specs: dict[str, dict], parallel: int = 3) -> dict:
   """run_job(**spec) for each named spec, `parallel` at a time (jobs mostly
   wait on timeouts and start-up, so overlapping them saves wall time)."""
-  from emergency_ckpt.testing.launcher import run_job  # noqa: PLC0415
+  from emergency_ckpt.demo.launcher import run_job  # noqa: PLC0415
 
   with concurrent.futures.ThreadPoolExecutor(parallel) as pool:
     futures = {name: pool.submit(run_job, **spec) for name, spec in specs.items()}

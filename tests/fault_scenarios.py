@@ -28,8 +28,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import emergency_ckpt as ec
-from emergency_ckpt import topology as topology_lib
-from emergency_ckpt.testing.launcher import job_output_dir, read_pid
+from emergency_ckpt.cluster import topology as topology_lib
+from emergency_ckpt.demo.launcher import job_output_dir, read_pid
 from tests import scenarios as sc
 from tests.helpers import barrier
 
@@ -581,7 +581,7 @@ def damage_variants(args: dict) -> list[dict]:
 def sibling_alive_after(args: dict) -> bool | None:
   """Process 0 sleeps args['sleep_s'] seconds, then says whether process 1
   (which returned at once) is still alive; process 1 returns None."""
-  from emergency_ckpt.testing import launcher  # noqa: PLC0415
+  from emergency_ckpt.demo import launcher  # noqa: PLC0415
 
   if me() != 0:
     return None

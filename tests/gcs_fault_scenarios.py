@@ -1,7 +1,7 @@
 """Code that runs inside the multi-process GCS fault jobs (tests/test_gcs_faults.py).
 
 Each function is a job target (`run_job("tests.gcs_fault_scenarios:fn", ...)`).
-The fault-injecting proxy (tests/gcs_proxy.py) runs in the test process; a
+The fault-injecting proxy (tests/harness/gcs_proxy.py) runs in the test process; a
 worker reaches it through EC_GCS_FAULTS_URL (`ProxyClient.from_env()`).
 Workers return raw facts; the tests judge them.
 """
@@ -16,10 +16,10 @@ from typing import Any
 import jax
 
 import emergency_ckpt as ec
-from emergency_ckpt.state_store import StateStore
-from emergency_ckpt.testing import launcher
+from emergency_ckpt.demo import launcher
+from emergency_ckpt.state.store import StateStore
 from tests import scenarios as sc
-from tests.gcs_proxy import ProxyClient
+from tests.harness.gcs_proxy import ProxyClient
 
 
 def _state_store(args: dict) -> StateStore:
@@ -45,7 +45,7 @@ def _wait_committed(args: dict, steps: set[int], timeout_s: float) -> list[int]:
 
 
 def _persistent_steps(args: dict) -> list[int]:
-  from emergency_ckpt.persistent_tier import list_steps  # noqa: PLC0415
+  from emergency_ckpt.persistent.tier import list_steps  # noqa: PLC0415
 
   return list_steps(f"{args['persistent']}/tensors")
 

@@ -1,6 +1,6 @@
 """What each process of the MaxText test job runs (tests/test_maxtext.py).
 
-`train(args)` runs under emergency_ckpt.testing.launcher, which has already
+`train(args)` runs under emergency_ckpt.demo.launcher, which has already
 called jax.distributed.initialize on a free port (so MaxText skips its own
 CPU initialisation and its fixed coordinator port 1234). It installs
 emergency_ckpt as MaxText's emergency checkpointer and runs MaxText's real
@@ -95,8 +95,8 @@ def train(args: dict) -> dict:
   from maxtext.common import checkpointing, emergency_checkpointing  # noqa: PLC0415
   from maxtext.trainers.pre_train import train as maxtext_train  # noqa: PLC0415
 
+  from emergency_ckpt.demo.launcher import job_output_dir  # noqa: PLC0415
   from emergency_ckpt.integrations import maxtext as integration  # noqa: PLC0415
-  from emergency_ckpt.testing.launcher import job_output_dir  # noqa: PLC0415
 
   process = jax.process_index()
   integration.install(

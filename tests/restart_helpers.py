@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 
-from emergency_ckpt.testing.launcher import run_job
+from emergency_ckpt.demo.launcher import run_job
 
 
 def save_run(root: str, processes: int, slices: int, **extra) -> dict:

@@ -15,7 +15,7 @@ import time
 import jax
 
 import emergency_ckpt as ec
-from emergency_ckpt.topology import topology_from_mesh
+from emergency_ckpt.cluster.topology import topology_from_mesh
 from tests import scenarios as sc
 from tests.helpers import barrier
 

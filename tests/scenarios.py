@@ -1,4 +1,4 @@
-"""Code that runs inside multi-process test jobs (see emergency_ckpt/testing/launcher.py)."""
+"""Code that runs inside multi-process test jobs (see emergency_ckpt/demo/launcher.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import emergency_ckpt as ec
-from emergency_ckpt.topology import topology_from_mesh
+from emergency_ckpt.cluster.topology import topology_from_mesh
 from tests.helpers import barrier
 
 SPECS = {
@@ -140,7 +140,7 @@ def save_steps(args: dict) -> dict:
   kind of the persistent upload's arrays on CPU (persistent_tier's test
   seam: "pinned_host" runs the accelerators' path)."""
   if args.get("upload_memory_kind"):
-    from emergency_ckpt import persistent_tier  # noqa: PLC0415
+    from emergency_ckpt.persistent import tier as persistent_tier  # noqa: PLC0415
 
     persistent_tier.CPU_UPLOAD_MEMORY_KIND = args["upload_memory_kind"]
   if args.get("orbax_distributed_ids"):
@@ -248,10 +248,10 @@ def uneven_local_saves(args: dict) -> dict:
   persistent tier finalized, and how long it all took."""
   import time  # noqa: PLC0415
 
-  from emergency_ckpt import shards as shards_lib  # noqa: PLC0415
-  from emergency_ckpt.background import Background  # noqa: PLC0415
-  from emergency_ckpt.local_tier import LocalTier  # noqa: PLC0415
-  from emergency_ckpt.staging import StagingArea  # noqa: PLC0415
+  from emergency_ckpt.core import shards as shards_lib  # noqa: PLC0415
+  from emergency_ckpt.local.tier import LocalTier  # noqa: PLC0415
+  from emergency_ckpt.runtime.background import Background  # noqa: PLC0415
+  from emergency_ckpt.runtime.staging import StagingArea  # noqa: PLC0415
 
   mesh = mesh_for(args["slices"])
   t0 = time.monotonic()

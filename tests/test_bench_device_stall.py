@@ -1,5 +1,5 @@
 """Smoke test of the one-accelerator save-stall benchmark
-(emergency_ckpt.bench.device_stall) at a tiny size on CPU: every manager
+(benchmarks.device_stall) at a tiny size on CPU: every manager
 row exists and every restore was bit-exact. No timing assertions."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 def test_device_stall_benchmark_reports_every_manager(tmp_path, shm_dir):
   out = tmp_path / "ds"
   proc = subprocess.run(
-    [sys.executable, "-m", "emergency_ckpt.bench.device_stall", "--out", str(out)]
+    [sys.executable, "-m", "benchmarks.device_stall", "--out", str(out)]
     + ["--mib", "8", "--reps", "1", "--steps-before", "1", "--steps-after", "1"]
     + ["--matmuls", "1", "--matmul-size", "64", "--ramdisk", shm_dir]
     + ["--persistent-root", str(tmp_path / "p")],

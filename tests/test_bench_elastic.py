@@ -1,4 +1,4 @@
-"""Smoke test of the elastic benchmark (emergency_ckpt.bench.elastic): every
+"""Smoke test of the elastic benchmark (benchmarks.elastic): every
 row at 1 MiB per replica, 1 round, end to end (real multi-process
 jax.distributed jobs: 2 save jobs, 7 restart jobs).
 
@@ -13,15 +13,13 @@ import json
 import subprocess
 import sys
 
-from emergency_ckpt.bench import elastic
-from emergency_ckpt.cli import build_parser
-from emergency_ckpt.cli.bench import elastic_argv
+from benchmarks import elastic
 
 
 def test_elastic_benchmark_reports_every_row_bit_exact(tmp_path):
   out = tmp_path / "elastic"
   proc = subprocess.run(
-    [sys.executable, "-m", "emergency_ckpt.bench.elastic", "--mib-per-replica", "1"]
+    [sys.executable, "-m", "benchmarks.elastic", "--mib-per-replica", "1"]
     + ["--reps", "1", "--out", str(out)],
     cwd=tmp_path,
     capture_output=True,
@@ -53,11 +51,3 @@ def test_elastic_benchmark_reports_every_row_bit_exact(tmp_path):
   p2p = doc["per_rep"]["p2p_reshard"]["0"]
   assert sources("p2p_reshard") == {"persistent"}, p2p
   assert all(p["detail"]["registry_complete_step"] is None for p in p2p), p2p
-
-
-def test_cli_elastic_flag_maps_to_the_module_arguments():
-  a = build_parser().parse_args(["bench", "--elastic", "--quick", "--out", "/x"])
-  assert a.elastic and elastic_argv(a) == ["--out", "/x", "--mib-per-replica", "1", "--reps", "1"]
-  a = build_parser().parse_args(["bench", "--elastic", "--reps", "5", "--out", "/x"])
-  assert elastic_argv(a) == ["--out", "/x", "--reps", "5"]
-  assert elastic.parse_args(elastic_argv(a)).mib_per_replica == elastic.DEFAULT_MIB

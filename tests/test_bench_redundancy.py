@@ -1,5 +1,5 @@
 """Smoke test of the redundancy benchmark (issue 18):
-`python -m emergency_ckpt.bench.redundancy` end to end at a tiny size
+`python -m benchmarks.redundancy` end to end at a tiny size
 (0.25 MiB per process, 1 rep): a real 4-process job, one slice, each
 process a simulated machine. Checks that every row exists for `none` and
 every redundancy scheme the library has, that every restore returned the
@@ -14,7 +14,7 @@ import json
 import subprocess
 import sys
 
-from emergency_ckpt.bench import redundancy
+from benchmarks import redundancy
 
 
 def _positive(v) -> bool:
@@ -27,7 +27,7 @@ def test_tiny_redundancy_benchmark_reports_every_row(tmp_path):
     [
       sys.executable,
       "-m",
-      "emergency_ckpt.bench.redundancy",
+      "benchmarks.redundancy",
       "--out",
       str(out),
       "--mib-per-process",

@@ -1,4 +1,4 @@
-"""The scale benchmark (`python -m emergency_ckpt.bench.scale`) at a tiny size.
+"""The scale benchmark (`python -m benchmarks.scale`) at a tiny size.
 
 One subprocess run: the library's exchange against a real coordination
 service with 4 and 16 simulated processes in 2 worker processes (the old
@@ -12,15 +12,13 @@ assertions: the machine is shared.
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
 
 import pytest
 
-from emergency_ckpt.bench import scale_exchange
-from emergency_ckpt.cli.bench import add_scale_arguments, scale_argv
+from benchmarks import scale_exchange
 
 STEPS = 50
 NEWEST = 100 * STEPS  # the planner's steps are 100, 200, ... 100 * STEPS
@@ -28,7 +26,7 @@ NEWEST = 100 * STEPS  # the planner's steps are 100, 200, ... 100 * STEPS
 
 def test_scale_benchmark_tiny(tmp_path):
   out = tmp_path / "scale"
-  cmd = [sys.executable, "-m", "emergency_ckpt.bench.scale", "--ks", "4,16", "--reps", "1"]
+  cmd = [sys.executable, "-m", "benchmarks.scale", "--ks", "4,16", "--reps", "1"]
   cmd += ["--exchange-workers", "2"]  # whatever this machine's CPU count
   cmd += ["--planner-processes", "64,256", "--planner-reps", "1", "--timeout", "60"]
   cmd += ["--real-processes", "none", "--commit-ks", "8"]  # real jobs: test_scale_job.py
@@ -138,24 +136,3 @@ def test_exchange_worker_error_reaches_parent():
   finally:
     sim.close()
   assert not sim._procs  # noqa: SLF001 - killed and joined
-
-
-def test_cli_scale_arguments():
-  p = argparse.ArgumentParser()
-  p.add_argument("--out", default="bench_out")
-  p.add_argument("--reps", type=int)
-  p.add_argument("--quick", action="store_true")
-  add_scale_arguments(p)
-  a = p.parse_args(["--scale", "--max-k", "256", "--out", "o"])
-  assert a.scale and scale_argv(a) == ["--out", "o", "--max-k", "256"]
-  a = p.parse_args(["--scale", "--quick", "--reps", "2"])
-  assert scale_argv(a) == [
-    "--out",
-    "bench_out",
-    "--reps",
-    "2",
-    "--ks",
-    "4,16,64",
-    "--planner-processes",
-    "256,1024",
-  ]

@@ -1,4 +1,4 @@
-"""Smoke test of the shared-read benchmark (emergency_ckpt.bench.shared_read):
+"""Smoke test of the shared-read benchmark (benchmarks.shared_read):
 1 MiB per replica, 1 round, end to end (real multi-process jax.distributed
 jobs on fake-gcs-server behind the byte-counting proxy: one save job, one
 restore job running every mode).
@@ -15,15 +15,13 @@ import json
 import subprocess
 import sys
 
-from emergency_ckpt.bench import shared_read
-from emergency_ckpt.cli import build_parser
-from emergency_ckpt.cli.bench import shared_read_argv
+from benchmarks import shared_read
 
 
 def test_shared_read_benchmark_reports_every_mode(tmp_path):
   out = tmp_path / "shared"
   proc = subprocess.run(
-    [sys.executable, "-m", "emergency_ckpt.bench.shared_read", "--mib-per-replica", "1"]
+    [sys.executable, "-m", "benchmarks.shared_read", "--mib-per-replica", "1"]
     + ["--reps", "1", "--out", str(out)],
     cwd=tmp_path,
     capture_output=True,
@@ -45,12 +43,3 @@ def test_shared_read_benchmark_reports_every_mode(tmp_path):
   assert vs_model["readers_2"] < 1.3 and vs_model["readers_1"] < 1.3, vs_model
   assert doc["load_before"] and doc["load_after"]
   assert (out / "results.md").read_text().count("| `") == 3
-
-
-def test_cli_shared_read_flag_maps_to_the_module_arguments():
-  a = build_parser().parse_args(["bench", "--shared-read", "--quick", "--out", "/x"])
-  assert a.shared_read
-  assert shared_read_argv(a) == ["--out", "/x", "--mib-per-replica", "1", "--reps", "1"]
-  a = build_parser().parse_args(["bench", "--shared-read", "--reps", "5", "--out", "/x"])
-  assert shared_read_argv(a) == ["--out", "/x", "--reps", "5"]
-  assert shared_read.parse_args(shared_read_argv(a)).mib_per_replica == shared_read.DEFAULT_MIB

@@ -16,9 +16,11 @@ import zlib
 
 import pytest
 
-from emergency_ckpt import cli, layout, local_format
-from emergency_ckpt.state_store import StateStore
-from emergency_ckpt.telemetry import EventLog
+from emergency_ckpt import cli
+from emergency_ckpt.core import layout
+from emergency_ckpt.core.telemetry import EventLog
+from emergency_ckpt.local import format as local_format
+from emergency_ckpt.state.store import StateStore
 
 RUN = "run-test"
 
@@ -738,3 +740,10 @@ def test_bench_rejects_bad_arguments(capsys):
   assert e.value.code == 2
   with pytest.raises(SystemExit):
     cli.main(["bench", "--managers", "nope"])
+  for study in (
+    "--scale",
+    "--elastic",
+    "--shared-read",
+  ):  # research studies: benchmarks/, not the wheel
+    with pytest.raises(SystemExit):
+      cli.main(["bench", study])

@@ -9,9 +9,9 @@ import socket
 
 import pytest
 
-from emergency_ckpt.bench.scale_exchange import CountingClient as Counting
+from benchmarks.scale_exchange import CountingClient as Counting
+from emergency_ckpt.cluster.topology import Collectives, Topology
 from emergency_ckpt.errors import CollectiveTimeoutError
-from emergency_ckpt.topology import Collectives, Topology
 
 
 def _port() -> int:
@@ -328,7 +328,7 @@ def test_a_new_client_starts_its_own_sequence():
   was freed may get its id(); it must still start at 0, or its process
   would wait under other keys than the rest (seen: a fixture's fresh
   clients timing out in a full suite run)."""
-  from emergency_ckpt import topology  # noqa: PLC0415
+  from emergency_ckpt.cluster import topology  # noqa: PLC0415
 
   class Client:
     pass

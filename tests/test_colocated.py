@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from emergency_ckpt.colocated import StagingWindow
+from emergency_ckpt.cluster.colocated import StagingWindow
 
 
 def _hold_for(window: StagingWindow, seconds: float) -> threading.Thread:
@@ -43,7 +43,7 @@ def test_background_work_waits_until_every_copy_is_done(tmp_path):
 def test_two_processes_share_the_window(tmp_path):
   """flock across real processes: another process inside save() holds us back."""
   code = (
-    "import sys, time; from emergency_ckpt.colocated import StagingWindow;"
+    "import sys, time; from emergency_ckpt.cluster.colocated import StagingWindow;"
     f" w = StagingWindow('run', directory={str(tmp_path)!r});"
     " cm = w.staging(); cm.__enter__(); print('in', flush=True); time.sleep(0.4); cm.__exit__(None, None, None)"
   )
@@ -141,7 +141,7 @@ def test_close_removes_the_lock_file_unless_held(tmp_path):
 def test_job_key_is_shared_by_one_job_only(monkeypatch):
   import jax  # noqa: PLC0415
 
-  from emergency_ckpt import topology  # noqa: PLC0415
+  from emergency_ckpt.cluster import topology  # noqa: PLC0415
 
   state = jax._src.distributed.global_state  # noqa: SLF001
   assert topology.job_key() is None  # this test process is a single-process job
@@ -159,7 +159,7 @@ def test_a_dead_jobs_lock_file_is_swept_a_live_or_recent_one_kept(tmp_path):
   process has locked, a recent one, or its own."""
   import fcntl  # noqa: PLC0415
 
-  from emergency_ckpt import colocated  # noqa: PLC0415
+  from emergency_ckpt.cluster import colocated  # noqa: PLC0415
 
   folder = tmp_path / f"emergency_ckpt-{os.geteuid()}"
   folder.mkdir(mode=0o700)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from emergency_ckpt.testing.launcher import run_job
+from emergency_ckpt.demo.launcher import run_job
 
 
 def test_a_new_process_count_gets_its_data_state_from_the_remap_hook(shm_dir):

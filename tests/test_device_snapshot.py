@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import emergency_ckpt as ec
-from emergency_ckpt import shards as shards_lib
+from emergency_ckpt.core import shards as shards_lib
 
 
 def _device_options(options, **local):

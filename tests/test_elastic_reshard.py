@@ -15,7 +15,7 @@ import os
 
 import pytest
 
-from emergency_ckpt import local_format
+from emergency_ckpt.local import format as local_format
 from tests import restart_helpers as rh
 from tests import scenarios as sc
 from tests.conftest import _fresh_shm_dir

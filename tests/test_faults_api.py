@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 import emergency_ckpt as ec
-from emergency_ckpt import failpoints, local_tier
+from emergency_ckpt.core import failpoints
+from emergency_ckpt.local import tier as local_tier
 from tests.fault_matrix import excerpt
 from tests.helpers import abstract as _abstract
 from tests.single_slice import state as _state
@@ -324,7 +325,7 @@ def test_launcher_process0_exits_after_its_siblings(tmp_path):
   """Process 0 hosts the coordination service: if it exited first, process 1
   would abort (SIGABRT) before writing its result (EC_LAUNCHER_EXIT_WAIT_S=0
   shows it). Process 0 now waits for the others' results."""
-  from emergency_ckpt.testing.launcher import run_job  # noqa: PLC0415
+  from emergency_ckpt.demo.launcher import run_job  # noqa: PLC0415
 
   job = run_job(
     "tests.fault_scenarios:sleep_then_return",
@@ -342,7 +343,7 @@ def test_launcher_every_process_exits_after_its_siblings(tmp_path):
   """A process that exits at once closes its Gloo sockets under a sibling still
   reading the last collective (seen in CI: 'Gloo all-reduce failed: Connection
   closed by peer'). Process 1 returns at once; 2 s later it is still alive."""
-  from emergency_ckpt.testing.launcher import run_job  # noqa: PLC0415
+  from emergency_ckpt.demo.launcher import run_job  # noqa: PLC0415
 
   job = run_job(
     "tests.fault_scenarios:sibling_alive_after",
@@ -358,7 +359,7 @@ def test_launcher_sees_dead_and_zombie_siblings(tmp_path):
   import subprocess  # noqa: PLC0415
   import time  # noqa: PLC0415
 
-  from emergency_ckpt.testing import launcher  # noqa: PLC0415
+  from emergency_ckpt.demo import launcher  # noqa: PLC0415
 
   child = subprocess.Popen(["true"])
   deadline = time.monotonic() + 10

@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from emergency_ckpt.testing.launcher import run_job
+from emergency_ckpt.demo.launcher import run_job
 from tests.fault_matrix import check_restored, job_failure, run_jobs
 from tests.helpers import fault_job_args as _dirs
 from tests.helpers import listing as _listing

@@ -16,7 +16,7 @@ import subprocess
 
 import pytest
 
-from emergency_ckpt.testing.launcher import run_job
+from emergency_ckpt.demo.launcher import run_job
 from tests.fault_matrix import check_errors, check_restored, job_failure
 from tests.fault_scenarios import read_records
 

@@ -210,7 +210,7 @@ def test_peer_transfer_damaged_then_refused(shm_dir, fault_matrix):
   """Steps 1-5 saved (persistent: 2 and 4), slice 1's ramdisks wiped; on
   slice 0, step 5's stream is damaged on the wire and step 4's senders drop
   the connection."""
-  from emergency_ckpt.testing.launcher import run_job  # noqa: PLC0415
+  from emergency_ckpt.demo.launcher import run_job  # noqa: PLC0415
 
   args = {
     "slices": 2,

@@ -7,8 +7,8 @@ the job's processes inherit.
 
 from __future__ import annotations
 
-from emergency_ckpt.testing.launcher import run_job
-from tests.gcs_server import list_objects
+from emergency_ckpt.demo.launcher import run_job
+from tests.harness.gcs_server import list_objects
 
 TIMEOUT_S = 240
 

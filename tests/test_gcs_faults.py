@@ -1,6 +1,6 @@
-"""Faults on the wire to GCS, injected by tests/gcs_proxy.py in front of
+"""Faults on the wire to GCS, injected by tests/harness/gcs_proxy.py in front of
 fake-gcs-server: what gcsfs and tensorstore retry on their own, what
-emergency_ckpt.storage adds, and multi-process jobs through 503s, resets,
+emergency_ckpt.core.storage adds, and multi-process jobs through 503s, resets,
 permission loss, a slow bucket and a kill -9 in the middle of an upload.
 """
 
@@ -18,12 +18,12 @@ import urllib.request
 import pytest
 from etils import epath
 
-from emergency_ckpt import storage
+from emergency_ckpt.core import storage
+from emergency_ckpt.core.storage import RetryPolicy, StorageNotFoundError
+from emergency_ckpt.demo.launcher import run_job
 from emergency_ckpt.errors import StorageError
-from emergency_ckpt.storage import RetryPolicy, StorageNotFoundError
-from emergency_ckpt.testing.launcher import run_job
-from tests.gcs_proxy import ENV_VAR
-from tests.gcs_server import list_objects
+from tests.harness.gcs_proxy import ENV_VAR
+from tests.harness.gcs_server import list_objects
 
 NO_OUTER_RETRY = RetryPolicy(attempts=1)  # success then proves the client retried
 
@@ -577,7 +577,7 @@ def test_kill9_mid_upload_partial_step_never_listed_then_cleaned(
   listed; restore picks the newest restorable step bit-exactly (2 from the
   bucket with wiped ramdisks, 4 from the ramdisks otherwise); and the restart
   removes step 4's objects without touching step 2's."""
-  from emergency_ckpt.persistent_tier import list_steps  # noqa: PLC0415
+  from emergency_ckpt.persistent.tier import list_steps  # noqa: PLC0415
 
   proxy = gcs_proxy
   hold = proxy.hold(

@@ -1,4 +1,4 @@
-"""The fault-injecting proxy (tests/gcs_proxy.py), against fake-gcs-server."""
+"""The fault-injecting proxy (tests/harness/gcs_proxy.py), against fake-gcs-server."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import urllib.request
 
 import pytest
 
-from tests.gcs_proxy import ProxyClient
+from tests.harness.gcs_proxy import ProxyClient
 
 
 def _conn(url: str) -> http.client.HTTPConnection:

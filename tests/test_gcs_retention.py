@@ -4,7 +4,7 @@ straight from the server."""
 
 from __future__ import annotations
 
-from emergency_ckpt.testing.launcher import run_job
+from emergency_ckpt.demo.launcher import run_job
 from tests.test_gcs import TIMEOUT_S, _objects
 
 

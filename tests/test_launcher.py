@@ -13,8 +13,8 @@ import pytest
 
 from emergency_ckpt.bench import run as bench_run
 from emergency_ckpt.bench.run import _summarize
-from emergency_ckpt.testing import launcher
-from emergency_ckpt.testing.launcher import JobResult, run_job
+from emergency_ckpt.demo import launcher
+from emergency_ckpt.demo.launcher import JobResult, run_job
 
 
 def _hang_timeout_s(start: str | None = None) -> float:

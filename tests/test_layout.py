@@ -9,8 +9,9 @@ import os
 
 import pytest
 
-from emergency_ckpt import layout, persistent_layout
-from emergency_ckpt.state_store import StateStore
+from emergency_ckpt.core import layout
+from emergency_ckpt.persistent import layout as persistent_layout
+from emergency_ckpt.state.store import StateStore
 
 
 # ---- names ---------------------------------------------------------------------------
@@ -279,7 +280,7 @@ def test_gcs_listing_follows_orbaxs_commit_file_rule(gcs_bucket):
   """On GCS a tensor step is final once its commit file exists: the listing
   (no Orbax) agrees with Orbax's checkpoint_steps, and deletion and cleanup
   keep to the same rule."""
-  from emergency_ckpt import storage  # noqa: PLC0415
+  from emergency_ckpt.core import storage  # noqa: PLC0415
 
   tensors = layout.tensors_dir(f"{gcs_bucket}/run")
   for name in ("10", "30", "007", "40"):
@@ -287,7 +288,7 @@ def test_gcs_listing_follows_orbaxs_commit_file_rule(gcs_bucket):
   for name in ("10", "20", "30", "007", "40"):
     storage.write_bytes(tensors / name / "default" / "data", b"x" * 10)
   assert persistent_layout.list_steps(tensors) == [10, 30, 40]
-  from emergency_ckpt.persistent_tier import _ocp  # noqa: PLC0415 - the reference rule
+  from emergency_ckpt.persistent.tier import _ocp  # noqa: PLC0415 - the reference rule
 
   assert sorted(_ocp().path.step.checkpoint_steps(tensors)) == [7, 10, 30, 40]  # "007" is 7 there
   assert persistent_layout.step_bytes(tensors, 10) == 12

@@ -30,22 +30,22 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 from orbax.checkpoint._src.futures import synchronization  # noqa: E402
 
-from emergency_ckpt import local_format  # noqa: E402
-from emergency_ckpt import shards as shards_lib  # noqa: E402
-from emergency_ckpt.background import Background  # noqa: E402
+from emergency_ckpt.cluster.topology import topology_from_mesh  # noqa: E402
+from emergency_ckpt.core import shards as shards_lib  # noqa: E402
+from emergency_ckpt.demo.launcher import run_job  # noqa: E402
 from emergency_ckpt.errors import CorruptCheckpointError  # noqa: E402
-from emergency_ckpt.local_handler import (  # noqa: E402
+from emergency_ckpt.local import format as local_format  # noqa: E402
+from emergency_ckpt.local.handler import (  # noqa: E402
   LocalCheckpointer,
   LocalShardsHandler,
   LocalShardsRestore,
   LocalShardsSave,
   LocalTemporaryPath,
 )
-from emergency_ckpt.local_tier import LocalTier  # noqa: E402
+from emergency_ckpt.local.tier import LocalTier  # noqa: E402
 from emergency_ckpt.options import LocalTierOptions  # noqa: E402
-from emergency_ckpt.staging import StagingArea  # noqa: E402
-from emergency_ckpt.testing.launcher import run_job  # noqa: E402
-from emergency_ckpt.topology import topology_from_mesh  # noqa: E402
+from emergency_ckpt.runtime.background import Background  # noqa: E402
+from emergency_ckpt.runtime.staging import StagingArea  # noqa: E402
 
 RUN_ID = "h"
 
@@ -359,7 +359,7 @@ def test_local_format_imports_neither_orbax_nor_jax():
   """Offline tools read local copies through local_format: importing it
   (and layout) loads neither JAX nor Orbax."""
   code = (
-    "import json, sys, emergency_ckpt.local_format, emergency_ckpt.layout;"
+    "import json, sys, emergency_ckpt.local.format, emergency_ckpt.core.layout;"
     " print(json.dumps(sorted(m for m in ('jax', 'orbax', 'tensorstore') if m in sys.modules)))"
   )
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

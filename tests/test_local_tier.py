@@ -29,20 +29,20 @@ import pytest  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from emergency_ckpt import shards as shards_lib  # noqa: E402
-from emergency_ckpt import staging as staging_lib  # noqa: E402
-from emergency_ckpt.background import Background  # noqa: E402
+from emergency_ckpt.cluster.topology import topology_from_mesh  # noqa: E402
+from emergency_ckpt.core import shards as shards_lib  # noqa: E402
 from emergency_ckpt.errors import (  # noqa: E402
   CorruptCheckpointError,
   StateMismatchError,
   TopologyMismatchError,
   UnsafeDirectoryError,
 )
-from emergency_ckpt.local_format import decode_manifest, encode_manifest, map_file  # noqa: E402
-from emergency_ckpt.local_tier import LocalTier, secure_makedirs  # noqa: E402
+from emergency_ckpt.local.format import decode_manifest, encode_manifest, map_file  # noqa: E402
+from emergency_ckpt.local.tier import LocalTier, secure_makedirs  # noqa: E402
 from emergency_ckpt.options import LocalTierOptions  # noqa: E402
-from emergency_ckpt.staging import BufferPool, StagingArea, aligned_empty  # noqa: E402
-from emergency_ckpt.topology import topology_from_mesh  # noqa: E402
+from emergency_ckpt.runtime import staging as staging_lib  # noqa: E402
+from emergency_ckpt.runtime.background import Background  # noqa: E402
+from emergency_ckpt.runtime.staging import BufferPool, StagingArea, aligned_empty  # noqa: E402
 from tests.helpers import abstract_of  # noqa: E402
 
 RUN_ID = "r"

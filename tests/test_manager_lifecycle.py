@@ -199,7 +199,7 @@ def test_keep_best_needs_best_metric(shm_dir):
 
 
 def test_event_log_records_saves_and_restores(shm_dir, mesh):
-  from emergency_ckpt.telemetry import read_events  # noqa: PLC0415
+  from emergency_ckpt.core.telemetry import read_events  # noqa: PLC0415
 
   log = os.path.join(shm_dir, "events", "p{process}.jsonl")
   with ec.CheckpointManager(_options(shm_dir, event_log=log), mesh=mesh) as mngr:

@@ -13,7 +13,7 @@ local every step, persistent every 3rd), made emergency_ckpt by
    `python -m emergency_ckpt.integrations.maxtext <MaxText args>` per
    process, with MaxText's own jax.distributed set-up for CPU (its fixed
    coordinator port 1234: one such job at a time); the two runs below go
-   through emergency_ckpt.testing.launcher (jax.distributed on a free port);
+   through emergency_ckpt.demo.launcher (jax.distributed on a free port);
 2. the same run, SIGKILLed once step 5's checkpoint is durable; slice 1's
    ramdisk (its simulated host's folder on /dev/shm) is wiped;
 3. the same command again: MaxText restores step 5 (slice 0 from its
@@ -60,10 +60,10 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from orbax.checkpoint.experimental.emergency import checkpoint_manager as orbax_emergency  # noqa: E402
 
 import emergency_ckpt as ec  # noqa: E402
+from emergency_ckpt.core.telemetry import read_events  # noqa: E402
+from emergency_ckpt.demo.launcher import read_pid, run_job  # noqa: E402
 from emergency_ckpt.integrations import orbax_emergency as facade  # noqa: E402
 from emergency_ckpt.integrations.replica_axis import find_replica_axis  # noqa: E402
-from emergency_ckpt.telemetry import read_events  # noqa: E402
-from emergency_ckpt.testing.launcher import read_pid, run_job  # noqa: E402
 from tests.maxtext_scenarios import maxtext_argv, read_jsonl  # noqa: E402
 
 STEPS = 8

@@ -13,7 +13,7 @@ import shutil
 
 import pytest
 
-from emergency_ckpt.testing.launcher import run_job
+from emergency_ckpt.demo.launcher import run_job
 
 # (slices, processes, devices per process)
 TOPOLOGIES = {

@@ -15,8 +15,8 @@ import os
 
 import pytest
 
-from emergency_ckpt import local_format
-from emergency_ckpt.testing.launcher import run_job
+from emergency_ckpt.demo.launcher import run_job
+from emergency_ckpt.local import format as local_format
 from tests import restart_helpers as rh
 from tests.conftest import _fresh_shm_dir
 

@@ -25,10 +25,10 @@ from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import emergency_ckpt as ec  # noqa: E402
-from emergency_ckpt import peer  # noqa: E402
-from emergency_ckpt import shards as shards_lib  # noqa: E402
-from emergency_ckpt.testing.launcher import run_job  # noqa: E402
-from emergency_ckpt.topology import topology_from_mesh  # noqa: E402
+from emergency_ckpt import transport as peer  # noqa: E402
+from emergency_ckpt.cluster.topology import topology_from_mesh  # noqa: E402
+from emergency_ckpt.core import shards as shards_lib  # noqa: E402
+from emergency_ckpt.demo.launcher import run_job  # noqa: E402
 from tests import scenarios as sc  # noqa: E402
 
 # ---- check_peer_compatible -------------------------------------------------------

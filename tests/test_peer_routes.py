@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from emergency_ckpt.errors import TopologyError
-from emergency_ckpt.peer.collective import _carrier
-from emergency_ckpt.peer.routing import routes
+from emergency_ckpt.transport.collective import _carrier
+from emergency_ckpt.transport.routing import routes
 
 
 def _check(intact, lost):

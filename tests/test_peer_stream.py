@@ -11,11 +11,11 @@ import time
 import numpy as np
 import pytest
 
-from emergency_ckpt import shards as shards_lib
+from emergency_ckpt.core import shards as shards_lib
 from emergency_ckpt.errors import CorruptCheckpointError, PeerTransferError
-from emergency_ckpt.local_format import LocalStep, shard_checksum
-from emergency_ckpt.peer import routing
-from emergency_ckpt.peer import stream as peer_stream
+from emergency_ckpt.local.format import LocalStep, shard_checksum
+from emergency_ckpt.transport import routing
+from emergency_ckpt.transport import stream as peer_stream
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,14 +199,14 @@ def coordinator(monkeypatch):
 
 
 def test_peer_host_override_wins(coordinator):
-  from emergency_ckpt.topology import peer_host  # noqa: PLC0415
+  from emergency_ckpt.cluster.topology import peer_host  # noqa: PLC0415
 
   coordinator("127.0.0.1:1234")
   assert peer_host("10.1.2.3") == "10.1.2.3"
 
 
 def test_peer_host_is_the_interface_routing_to_the_coordinator(coordinator):
-  from emergency_ckpt.topology import peer_host  # noqa: PLC0415
+  from emergency_ckpt.cluster.topology import peer_host  # noqa: PLC0415
 
   coordinator("127.0.0.1:1234")
   assert peer_host(None) == "127.0.0.1"
@@ -215,7 +215,7 @@ def test_peer_host_is_the_interface_routing_to_the_coordinator(coordinator):
 
 
 def test_peer_host_unresolvable_coordinator_is_none(coordinator, caplog):
-  from emergency_ckpt.topology import peer_host  # noqa: PLC0415
+  from emergency_ckpt.cluster.topology import peer_host  # noqa: PLC0415
 
   coordinator("no-such-host.invalid:1234")
   assert peer_host(None) is None

@@ -22,9 +22,11 @@ from etils import epath  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from emergency_ckpt import checksums, persistent_read, shards  # noqa: E402
+from emergency_ckpt.core import shards  # noqa: E402
 from emergency_ckpt.errors import CorruptCheckpointError, StateMismatchError  # noqa: E402
-from emergency_ckpt.persistent_tier import _ocp  # noqa: E402
+from emergency_ckpt.persistent import checksums  # noqa: E402
+from emergency_ckpt.persistent import read as persistent_read  # noqa: E402
+from emergency_ckpt.persistent.tier import _ocp  # noqa: E402
 from tests.helpers import abstract_of as _abstract  # noqa: E402
 
 
@@ -185,7 +187,7 @@ def test_filesystem_listing_follows_orbaxs_finalization_rule(tmp_path):
   """persistent_tier.list_steps lists a filesystem tier itself (no thread
   pool per call) and agrees with Orbax's checkpoint_steps on what this
   tier's Orbax manager writes: a step is final once renamed to its number."""
-  from emergency_ckpt.persistent_tier import list_steps  # noqa: PLC0415
+  from emergency_ckpt.persistent.tier import list_steps  # noqa: PLC0415
 
   tensors = tmp_path / "tensors"
   for name in ("7", "12", "30.orbax-checkpoint-tmp-1700000000", ".deleting-5", "notes"):

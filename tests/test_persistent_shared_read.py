@@ -17,8 +17,8 @@ import os
 
 import pytest
 
-from emergency_ckpt.peer import routing
-from emergency_ckpt.testing.launcher import run_job
+from emergency_ckpt.demo.launcher import run_job
+from emergency_ckpt.transport import routing
 from tests.test_peer_stream import _layout, _mesh
 
 MODEL = 6 * 256 * 512 * 3  # BIG_SPECS: three float32 and three bfloat16 leaves
@@ -105,7 +105,7 @@ def _bit_exact(results) -> None:
 def test_every_slice_reading_persistent_reads_the_model_once(
   gcs_server, gcs_proxy, gcs_bucket, shm_dir, fault_matrix
 ):
-  from tests.gcs_proxy import GcsProxy  # noqa: PLC0415
+  from tests.harness.gcs_proxy import GcsProxy  # noqa: PLC0415
 
   args = {
     "slices": 2,

@@ -18,7 +18,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import emergency_ckpt as ec
-from emergency_ckpt import layout, persistent_tier
+from emergency_ckpt.core import layout
+from emergency_ckpt.persistent import tier as persistent_tier
 
 
 class _Memory:

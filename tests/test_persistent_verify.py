@@ -12,7 +12,7 @@ import os
 import shutil
 
 from emergency_ckpt import cli
-from emergency_ckpt.testing.launcher import run_job
+from emergency_ckpt.demo.launcher import run_job
 
 FLIPS = 100
 

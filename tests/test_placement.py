@@ -6,9 +6,9 @@ import os
 
 import pytest
 
-from emergency_ckpt import placement
-from emergency_ckpt.testing.launcher import run_job
-from emergency_ckpt.topology import host_identity
+from emergency_ckpt.cluster import placement
+from emergency_ckpt.cluster.topology import host_identity
+from emergency_ckpt.demo.launcher import run_job
 
 # 2 slices x 2 processes: slice 0 = processes 0, 1; slice 1 = processes 2, 3.
 SLICES = ((0, 1), (2, 3))

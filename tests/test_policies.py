@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from emergency_ckpt.policies import SaveDecision, decide_save
+from emergency_ckpt.save.policies import SaveDecision, decide_save
 
 
 @pytest.mark.parametrize(

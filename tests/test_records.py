@@ -8,8 +8,8 @@ import threading
 import pytest
 
 import emergency_ckpt as ec
-from emergency_ckpt.background import Background
-from emergency_ckpt.records import DEFAULT_CAP, StepRecords
+from emergency_ckpt.core.records import DEFAULT_CAP, StepRecords
+from emergency_ckpt.runtime.background import Background
 from tests.single_slice import state as _state
 
 

@@ -12,9 +12,11 @@ import crc32c
 import numpy as np
 import pytest
 
-from emergency_ckpt import local_format, local_read, xor_parity
+from emergency_ckpt.core import parity as xor_parity
 from emergency_ckpt.errors import PeerTransferError
-from emergency_ckpt.peer import partner, xor
+from emergency_ckpt.local import format as local_format
+from emergency_ckpt.local import read as local_read
+from emergency_ckpt.redundancy import partner, xor
 
 MIB = 1 << 20
 
@@ -393,7 +395,7 @@ def test_a_torn_chunk_leaves_no_block_and_the_step_can_be_sent_again(tmp_path):
       "length": 2 * MIB,
     }
     with pytest.raises(OSError):
-      from emergency_ckpt.peer import stream  # noqa: PLC0415
+      from emergency_ckpt.transport import stream  # noqa: PLC0415
 
       stream.send_file(receivers[0].offer(), header, short, 0, 2 * MIB, timeout_s=30)
     root = xor.xor_dir(str(tmp_path / "host_0" / "process_0"))

@@ -8,8 +8,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from emergency_ckpt import reshard, restore_plan
-from emergency_ckpt import shards as shards_lib
+from emergency_ckpt.core import reshard
+from emergency_ckpt.core import shards as shards_lib
+from emergency_ckpt.restore import plan as restore_plan
 
 
 def test_block_index_follows_the_spec_first_axis_slowest():
@@ -184,7 +185,7 @@ def test_positions_only_partner_copies_hold_are_named():
 
 
 def test_a_partner_is_the_next_process_of_the_slice_on_another_machine():
-  from emergency_ckpt.peer.partner import choose_partner  # noqa: PLC0415
+  from emergency_ckpt.redundancy.partner import choose_partner  # noqa: PLC0415
 
   assert choose_partner(0, [0, 1, 2, 3], {0: "a"}) == 1
   assert choose_partner(3, [0, 1, 2, 3], {3: "d"}) == 0  # wraps

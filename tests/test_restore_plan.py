@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from emergency_ckpt import restore_plan as rp
-from emergency_ckpt.restore_plan import LOCAL, PEER, PERSISTENT, Inventory, Status
+from emergency_ckpt.restore import plan as rp
+from emergency_ckpt.restore.plan import LOCAL, PEER, PERSISTENT, Inventory, Status
 
 
 def layout(num_slices: int, per_slice: int) -> tuple[tuple[int, ...], ...]:

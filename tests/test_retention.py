@@ -8,9 +8,9 @@ import random
 
 import pytest
 
-from emergency_ckpt import retention
 from emergency_ckpt.errors import InvalidOptionsError
-from emergency_ckpt.retention import (
+from emergency_ckpt.retention import rules as retention
+from emergency_ckpt.retention.rules import (
   Rules,
   best_steps,
   explain,

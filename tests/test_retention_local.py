@@ -4,8 +4,8 @@ import os
 
 import pytest
 
-from emergency_ckpt import retention
-from emergency_ckpt.testing.launcher import run_job
+from emergency_ckpt.demo.launcher import run_job
+from emergency_ckpt.retention import rules as retention
 
 
 def keep_local(steps, k, committed):

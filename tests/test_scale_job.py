@@ -1,7 +1,7 @@
 """Issue 15: a real jax.distributed job of 32 processes (1 CPU device each,
 8 slices x 4 processes) saves, loses two slices' ramdisks, and restores them
 from peer slices bit-exactly; and the real-job scale benchmark
-(emergency_ckpt/bench/scale_real.py) runs at a tiny size.
+(benchmarks/scale_real.py) runs at a tiny size.
 
 Nothing here is timed: the benchmark's figures are only checked for shape.
 """
@@ -12,8 +12,8 @@ import os
 
 import pytest
 
-from emergency_ckpt.bench.scale_real import measure_real_jobs
-from emergency_ckpt.testing.launcher import run_job
+from benchmarks.scale_real import measure_real_jobs
+from emergency_ckpt.demo.launcher import run_job
 
 SLICES = 8
 PER_SLICE = 4
@@ -101,7 +101,7 @@ def test_real_job_benchmark_smoke(shm_dir, tmp_path):
   assert each == pytest.approx(
     [a / b for a, b in zip(out["4"]["restore_s"]["reps_max"], out["2"]["restore_s"]["reps_max"])]
   )
-  from emergency_ckpt.bench.scale_report import _real_jobs  # noqa: PLC0415
+  from benchmarks.scale_report import _real_jobs  # noqa: PLC0415
 
   text = _real_jobs(out)
   assert any(line.startswith("CPU per process") for line in text)

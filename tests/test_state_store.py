@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from etils import epath
 
+from emergency_ckpt.core.layout import COMMIT_FILE as COMMIT
+from emergency_ckpt.core.layout import state_file_name as file_name
+from emergency_ckpt.core.storage import write_bytes
 from emergency_ckpt.errors import CorruptCheckpointError, DataStateError
-from emergency_ckpt.layout import COMMIT_FILE as COMMIT
-from emergency_ckpt.layout import state_file_name as file_name
-from emergency_ckpt.state_store import StateStore, validate_data_state
-from emergency_ckpt.storage import write_bytes
+from emergency_ckpt.state.store import StateStore, validate_data_state
 
 N = 3
 
@@ -254,7 +254,7 @@ def test_commit_lists_once_when_the_written_hint_says_every_file_is_there(tmp_pa
   (says ready too early) costs polling, never a wrong COMMIT."""
   import threading
 
-  from emergency_ckpt import storage
+  from emergency_ckpt.core import storage
 
   listings = []
   real = storage.list_names
@@ -321,7 +321,7 @@ def test_record_is_the_commit_record_and_committed_records_agree(tmp_path):
 def test_has_commit_reads_the_marker_without_listing(tmp_path, monkeypatch):
   """Local retention asks after every save on every process: one small read,
   never a listing of the step's folder (one file per process)."""
-  from emergency_ckpt import storage
+  from emergency_ckpt.core import storage
 
   ss = save_step(tmp_path, 10)
   save_step(tmp_path, 20, commit=False)
@@ -354,7 +354,7 @@ def test_commit_records_are_read_once_and_forgotten_when_deleted(tmp_path, monke
 
 def test_saved_data_states_read_each_file_when_first_accessed(tmp_path, monkeypatch):
   from emergency_ckpt.errors import CorruptCheckpointError  # noqa: PLC0415
-  from emergency_ckpt.state_store import SavedDataStates, StateStore  # noqa: PLC0415
+  from emergency_ckpt.state.store import SavedDataStates, StateStore  # noqa: PLC0415
 
   for p in range(3):
     StateStore(str(tmp_path), process_index=p, process_count=3).write(5, {"pos": 10 + p})

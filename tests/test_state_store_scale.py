@@ -19,9 +19,10 @@ import os
 
 import pytest
 
-from emergency_ckpt import layout, persistent_layout, storage
+from emergency_ckpt.core import layout, storage
 from emergency_ckpt.errors import StorageError
-from emergency_ckpt.state_store import StateStore
+from emergency_ckpt.persistent import layout as persistent_layout
+from emergency_ckpt.state.store import StateStore
 
 N = 4
 
@@ -109,7 +110,7 @@ def test_an_unreachable_bucket_is_not_uncommitted(tmp_path, monkeypatch):
 
 
 def test_measure_commit_at_a_tiny_size(gcs_server):
-  from emergency_ckpt.bench.scale_commit import measure_commit  # noqa: PLC0415
+  from benchmarks.scale_commit import measure_commit  # noqa: PLC0415
 
   before = os.environ.get("STORAGE_EMULATOR_HOST")
   k, steps = 8, 3

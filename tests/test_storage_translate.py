@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from emergency_ckpt import storage
+from emergency_ckpt.core import storage
 from emergency_ckpt.errors import StorageError
 
 

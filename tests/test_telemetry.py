@@ -1,4 +1,4 @@
-"""Unit tests of the JSON-lines event log (emergency_ckpt.telemetry)."""
+"""Unit tests of the JSON-lines event log (emergency_ckpt.core.telemetry)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from emergency_ckpt.telemetry import EventLog, format_event, read_events
+from emergency_ckpt.core.telemetry import EventLog, format_event, read_events
 
 
 def lines(path) -> list[dict]:

@@ -24,7 +24,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHIPPED = (
   "emergency_ckpt/__init__.py",
   "emergency_ckpt/cli/__init__.py",
-  "emergency_ckpt/testing/launcher.py",
+  "emergency_ckpt/demo/launcher.py",
   "emergency_ckpt/demo/main.py",
   "emergency_ckpt/demo/trainer.py",
   "emergency_ckpt/demo/cpu_demo.yaml",
@@ -105,6 +105,14 @@ def test_wheel_installs_and_runs_outside_the_checkout(tmp_path):
   missing = [p for p in SHIPPED if p not in names]
   assert not missing, f"not in the wheel: {missing}"
   assert not [n for n in names if n.split("/")[0] in ("tests", "examples", "benchmarks")], names
+  # the wheel is the library: no test harness, no research study
+  harness = [n for n in names if n.startswith("emergency_ckpt/testing/") or "gcs_" in n]
+  assert not harness, harness
+  studies = ("scale", "elastic", "shared_read", "redundancy", "device_")
+  research = [
+    n for n in names if n.startswith("emergency_ckpt/bench/") and n[21:].startswith(studies)
+  ]
+  assert not research, research
   with open(os.path.join(REPO, "configs", "cpu_demo.yaml")) as f:
     assert packaged_config == f.read(), "the demo's config must stay configs/cpu_demo.yaml"
 

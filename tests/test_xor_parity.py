@@ -8,7 +8,7 @@ import pytest
 
 @pytest.mark.parametrize("k", [2, 3, 4, 8])
 def test_xor_parity_rebuilds_any_one_member_bit_exactly(k):
-  from emergency_ckpt import xor_parity as xp  # noqa: PLC0415
+  from emergency_ckpt.core import parity as xp  # noqa: PLC0415
 
   rng = np.random.default_rng(k)
   data = [rng.integers(0, 256, int(n), dtype=np.uint8).tobytes() for n in rng.integers(1, 300, k)]
@@ -28,7 +28,7 @@ def test_xor_parity_rebuilds_any_one_member_bit_exactly(k):
 
 
 def test_xor_groups_spread_over_machines():
-  from emergency_ckpt import xor_parity as xp  # noqa: PLC0415
+  from emergency_ckpt.core import parity as xp  # noqa: PLC0415
 
   machine = {p: f"m{p // 2}" for p in range(8)}  # 4 machines x 2 processes
   got = xp.groups(range(8), machine, 4)
@@ -43,7 +43,7 @@ def test_xor_parts_give_each_process_its_group_and_its_machines():
   """What the XOR set-up's assign hands each process: its group (as groups()
   cuts the slice) and the group's machines, so it can check the spread
   without the slice's other machines."""
-  from emergency_ckpt import xor_parity as xp  # noqa: PLC0415
+  from emergency_ckpt.core import parity as xp  # noqa: PLC0415
 
   machine = {p: f"m{p // 2}" for p in range(10, 18)}  # 4 machines x 2 processes
   parts = xp.parts(range(10, 18), machine, 4)

@@ -19,8 +19,8 @@ import os
 import numpy as np
 import pytest
 
-from emergency_ckpt import xor_parity
-from emergency_ckpt.peer import xor as xor_lib
+from emergency_ckpt.core import parity as xor_parity
+from emergency_ckpt.redundancy import xor as xor_lib
 from tests import restart_helpers as rh
 from tests.conftest import _fresh_shm_dir
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 15's real-job stage on a lent machine's 16 cores (no GPU use): the
-# 16- and 64-process jobs of `python -m emergency_ckpt.bench.scale_real`
+# 16- and 64-process jobs of `python -m benchmarks.scale_real`
 # (--reps 3 each run), as many runs as fit BUDGET_S, beside this VM's 2
 # cores: is the 64/16 ratio the library's or 64 processes sharing 2 cores?
 # Wheels for what the image lacks travel in .whl (see session.sh).
@@ -18,7 +18,7 @@ for i in 1 2 3; do
   if (( left < ${RUN_S:-150} )); then echo "== skip run$i ($left s left)"; break; fi
   echo "== run$i ($left s left, load $(cut -d' ' -f1-3 /proc/loadavg))"
   t0=$SECONDS
-  timeout -k 10 -s INT "$left" $PY -m emergency_ckpt.bench.scale_real --reps 3 \
+  timeout -k 10 -s INT "$left" $PY -m benchmarks.scale_real --reps 3 \
     --out "$RES/run$i.json" >"$RES/run$i.log" 2>&1
   echo "== run$i rc=$? in $((SECONDS - t0)) s"
   $PY - "$RES/run$i.json" <<'PYEOF' 2>&1 || tail -n 20 "$RES/run$i.log"

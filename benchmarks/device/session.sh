@@ -30,14 +30,14 @@ part() {  # part NAME LIMIT_S CMD...: runs CMD if LIMIT_S still fits the budget
   $PY -c "import jax, importlib.metadata as m; print(*(p + ' ' + m.version(p) for p in ('jax', 'jaxlib', 'orbax-checkpoint', 'tensorstore')), jax.devices())"
 } 2>&1
 if [ -n "${STALL:-}" ]; then  # measured in two sessions already (README: On a GPU)
-  part stall "${STALL_S:-200}" $PY -m emergency_ckpt.bench.device_stall --out "$RES/stall" \
+  part stall "${STALL_S:-200}" $PY -m benchmarks.device_stall --out "$RES/stall" \
     --mib "${STALL_MIB:-4096}" --reps 3 ${STALL_ARGS:-}
 fi
 # issue 18: XOR chunks beside the local write (the default on 16 cores) and
 # after it, alternately, three pairs
 for i in 1 2 3; do
-  part "redundancy$i" "${RED_S:-120}" $PY -m emergency_ckpt.bench.redundancy --out "$RES/redundancy$i"
-  part "redundancy-off$i" "${RED_S:-120}" $PY -m emergency_ckpt.bench.redundancy \
+  part "redundancy$i" "${RED_S:-120}" $PY -m benchmarks.redundancy --out "$RES/redundancy$i"
+  part "redundancy-off$i" "${RED_S:-120}" $PY -m benchmarks.redundancy \
     --out "$RES/redundancy-off$i" --overlap off
 done
 part persistent "${MAIN_S:-120}" $PY -m emergency_ckpt.bench --managers emergency_ckpt \

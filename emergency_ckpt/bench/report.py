@@ -5,7 +5,7 @@ from __future__ import annotations
 from emergency_ckpt.bench import workers
 from emergency_ckpt.bench.adapters import MANAGERS, ORBAX_MS, ORBAX_P2P, OURS
 from emergency_ckpt.bench.figures import METRICS, MIB, SAME_JOB_WHY
-from emergency_ckpt.testing.launcher import start_note
+from emergency_ckpt.demo.launcher import start_note
 
 
 def _fmt(v, unit: str) -> str:

@@ -3,7 +3,7 @@
   python -m emergency_ckpt.bench [--mib-per-replica N] [--reps K] [--out DIR] [--quick]
 
 On this machine, with the same train state and jobs for every manager (all
-launched by emergency_ckpt.testing.launcher.run_job, the launcher the tests use):
+launched by emergency_ckpt.demo.launcher.run_job, the launcher the tests use):
   1. raw bounds: one 4-process job measuring memcpy, ramdisk write/read,
      persistent write and cold read of each process's exact bytes;
   2. per manager (emergency_ckpt, Orbax multislice, Orbax P2P): one main job
@@ -34,7 +34,7 @@ from emergency_ckpt.bench import figures, measure, report
 from emergency_ckpt.bench.adapters import MANAGERS, OURS
 from emergency_ckpt.bench.state import LAYOUTS, rows_per_leaf
 from emergency_ckpt.bench.workers import SPAWN_ENV
-from emergency_ckpt.testing.launcher import run_job
+from emergency_ckpt.demo.launcher import run_job
 
 WORKERS = "emergency_ckpt.bench.workers"  # the jobs' target module
 PROCESSES = 4

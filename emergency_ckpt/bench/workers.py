@@ -24,7 +24,7 @@ from emergency_ckpt.bench import adapters
 from emergency_ckpt.bench import measure as m
 from emergency_ckpt.bench import state as st
 from emergency_ckpt.bench.sync import barrier
-from emergency_ckpt.testing import launcher
+from emergency_ckpt.demo import launcher
 
 SPAWN_ENV = "EC_BENCH_SPAWN_T"
 VARIANTS = ("intact", "lose_slice", "persistent_cold")

@@ -4,7 +4,7 @@ summarise event logs, run the benchmark and the demo.
 `inspect`, `verify` and `gc` work on folders only (no JAX job): a local root
 (the `local.directory` of one host) or a persistent root (holding tensors/ and
 state/). `report` reads the JSON-lines event logs written by
-`emergency_ckpt.telemetry.EventLog`. Output is a plain table (colored only on a
+`emergency_ckpt.core.telemetry.EventLog`. Output is a plain table (colored only on a
 terminal), or JSON with --json; progress goes to stderr.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from emergency_ckpt.cli.bench import add_scale_arguments, cmd_bench
+from emergency_ckpt.cli.bench import cmd_bench
 from emergency_ckpt.cli.gc import cmd_gc, plan_gc
 from emergency_ckpt.cli.inspect import cmd_inspect, cmd_verify, collect
 from emergency_ckpt.cli.report import cmd_report, draw_timeline, summarize_events
@@ -73,7 +73,7 @@ exit status: 0, or 1 if a DIR does not exist or a deletion failed.
 """
 
 _REPORT_HELP = """\
-Summarise a run from the JSON-lines event logs of emergency_ckpt.telemetry.
+Summarise a run from the JSON-lines event logs of emergency_ckpt.core.telemetry.
 EventLog (one file per process, or a folder of *.jsonl files; restarts may
 append to the same files).
 
@@ -226,7 +226,6 @@ def build_parser() -> argparse.ArgumentParser:
   s.add_argument(
     "--verbose", action="store_true", help="the benchmark's detailed log to stderr, not a file"
   )
-  add_scale_arguments(s)
   s.set_defaults(fn=cmd_bench)
 
   s = sub.add_parser(

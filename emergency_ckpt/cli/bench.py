@@ -1,8 +1,7 @@
 """`emergency-ckpt bench`: run the benchmark (emergency_ckpt.bench.run) with a
-numbered progress line per job; with --scale, the scale benchmark
-(emergency_ckpt.bench.scale) instead; with --elastic, the restore onto fewer
-slices (emergency_ckpt.bench.elastic); with --shared-read, the persistent read
-shared between slices (emergency_ckpt.bench.shared_read)."""
+numbered progress line per job. The research studies (scale, elastic restarts,
+the shared read, redundancy, device transfers) live in the repository's
+benchmarks/ folder, not in the wheel."""
 
 from __future__ import annotations
 
@@ -86,101 +85,7 @@ class _BenchProgress:
       self.progress.status(f"{text} ... {time.monotonic() - t:.0f}s{detail}")
 
 
-def add_scale_arguments(parser) -> None:
-  """The `bench` subcommand's --scale options (build_parser calls this)."""
-  parser.add_argument(
-    "--scale",
-    action="store_true",
-    help="run the scale benchmark instead (emergency_ckpt.bench.scale): the exchange against a"
-    " real coordination service with K simulated processes, and the restore planner at"
-    " 16,384 processes; writes OUT/scale.json, scale.md, scale.png (--reps: timed exchanges"
-    " per K; --quick: K up to 64, planner at 1,024 processes)",
-  )
-  parser.add_argument(
-    "--max-k", type=int, metavar="K", help="--scale: largest simulated process count (2048)"
-  )
-  parser.add_argument(
-    "--elastic",
-    action="store_true",
-    help="run the elastic benchmark instead (emergency_ckpt.bench.elastic): 2 slices save,"
-    " slice 1 is lost for good, restarts on 1 slice (same slice shape, another one, persistent),"
-    " ours against Orbax P2P; writes OUT/results.json and results.md (--reps: rounds, default"
-    " 3; --mib-per-replica default 256; --quick: 1 MiB, 1 round)",
-  )
-  parser.add_argument(
-    "--shared-read",
-    action="store_true",
-    help="run the shared-read benchmark instead (emergency_ckpt.bench.shared_read): 2 slices x 2"
-    " processes restore from a persistent tier on fake-gcs-server behind a byte-counting proxy,"
-    " per-process read against the slices splitting the read and one slice reading all,"
-    " interleaved; writes OUT/results.json and results.md (--reps: rounds, default 3;"
-    " --mib-per-replica default 64; --quick: 1 MiB, 1 round)",
-  )
-
-
-def scale_argv(a) -> list[str]:
-  """`python -m emergency_ckpt.bench.scale` arguments for `emergency-ckpt bench --scale`."""
-  argv = ["--out", a.out]
-  if getattr(a, "max_k", None) is not None:
-    argv += ["--max-k", str(a.max_k)]
-  if a.reps is not None:
-    argv += ["--reps", str(a.reps)]
-  if a.quick:
-    argv += ["--ks", "4,16,64", "--planner-processes", "256,1024"]
-  return argv
-
-
-def cmd_bench_scale(a) -> int:
-  from emergency_ckpt.bench import scale  # noqa: PLC0415 - pulls in JAX
-
-  os.makedirs(a.out, exist_ok=True)
-  return scale.main(scale_argv(a))
-
-
-def job_bench_argv(a) -> list[str]:
-  """The arguments of a one-job benchmark driver (`python -m
-  emergency_ckpt.bench.elastic` or `.shared_read`) for `emergency-ckpt bench
-  --elastic` / `--shared-read`: --quick means 1 MiB, 1 rep."""
-  argv = ["--out", a.out]
-  mib, reps = a.mib_per_replica, a.reps
-  if a.quick:
-    mib, reps = mib or 1, reps or 1
-  for flag, value in (
-    ("--mib-per-replica", mib),
-    ("--reps", reps),
-    ("--job-timeout", a.job_timeout),
-  ):
-    if value is not None:
-      argv += [flag, str(value)]
-  if a.keep:
-    argv.append("--keep")
-  return argv
-
-
-elastic_argv = shared_read_argv = job_bench_argv
-
-
-def cmd_bench_elastic(a) -> int:
-  from emergency_ckpt.bench import elastic  # noqa: PLC0415 - pulls in JAX
-
-  os.makedirs(a.out, exist_ok=True)
-  return elastic.main(elastic_argv(a))
-
-
-def cmd_bench_shared_read(a) -> int:
-  from emergency_ckpt.bench import shared_read  # noqa: PLC0415 - pulls in the GCS test server
-
-  os.makedirs(a.out, exist_ok=True)
-  return shared_read.main(shared_read_argv(a))
-
-
 def cmd_bench(a) -> int:
-  if getattr(a, "scale", False):
-    return cmd_bench_scale(a)
-  if getattr(a, "elastic", False):
-    return cmd_bench_elastic(a)
-  if getattr(a, "shared_read", False):
-    return cmd_bench_shared_read(a)
   run = _bench_module()
   argv = ["--out", a.out]
   if a.quick:

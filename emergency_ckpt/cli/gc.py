@@ -15,8 +15,10 @@ from typing import Any
 
 from etils import epath
 
-from emergency_ckpt import layout, persistent_layout, retention
 from emergency_ckpt.cli._output import Progress, Style, grid, mib
+from emergency_ckpt.core import layout
+from emergency_ckpt.persistent import layout as persistent_layout
+from emergency_ckpt.retention import rules as retention
 
 _TIER_ORDER = {"local": 0, "persistent": 1, "state": 2}
 

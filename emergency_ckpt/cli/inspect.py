@@ -13,8 +13,10 @@ from typing import Any
 
 from etils import epath
 
-from emergency_ckpt import layout, local_format, persistent_layout
+from emergency_ckpt.core import layout
 from emergency_ckpt.errors import CorruptCheckpointError
+from emergency_ckpt.local import format as local_format
+from emergency_ckpt.persistent import layout as persistent_layout
 
 
 def _local_steps(root: str) -> list[dict[str, Any]]:
@@ -56,7 +58,7 @@ def _persistent_steps(root: epath.Path, check: bool) -> list[dict[str, Any]]:
       "path": str(root),
     }
     if check and step in finalized and step in committed:
-      from emergency_ckpt import persistent_verify  # noqa: PLC0415 - tensorstore
+      from emergency_ckpt.persistent import verify as persistent_verify  # noqa: PLC0415 - tensorstore
 
       problems = persistent_verify.verify_step(root, step)
       row.update(status="ok" if not problems else "BAD", problems=problems)

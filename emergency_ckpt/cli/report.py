@@ -11,8 +11,8 @@ import statistics
 import sys
 from typing import Any
 
-from emergency_ckpt import telemetry
 from emergency_ckpt.cli._output import Style, grid, secs
+from emergency_ckpt.core import telemetry
 
 
 def _is_num(v: Any) -> bool:

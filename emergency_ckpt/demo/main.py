@@ -8,7 +8,7 @@
    peer slice), continues to step 40, and the losses must equal the
    reference bit-for-bit.
 
-4 processes x 2 CPU devices on this machine (emergency_ckpt.testing.launcher).
+4 processes x 2 CPU devices on this machine (emergency_ckpt.demo.launcher).
 Work folder: ROOT/ramdisk/host_<i> (each simulated host's local tier),
 ROOT/persistent, ROOT/events (the manager's event logs, for `emergency-ckpt
 report`); kept with --root or --keep.
@@ -24,7 +24,7 @@ import shutil
 import sys
 import tempfile
 
-from emergency_ckpt.testing.launcher import run_job
+from emergency_ckpt.demo.launcher import run_job
 
 TRAINER = "emergency_ckpt.demo.trainer:train"
 NPROC, SLICES = 4, 2

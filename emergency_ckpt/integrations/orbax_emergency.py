@@ -39,7 +39,7 @@ from emergency_ckpt.integrations import prng_keys
 from emergency_ckpt.integrations.replica_axis import find_replica_axis
 from emergency_ckpt.manager import CheckpointManager as _Manager
 from emergency_ckpt.options import CheckpointManagerOptions
-from emergency_ckpt.restorer import RestoreResult
+from emergency_ckpt.restore.restorer import RestoreResult
 
 _log = logging.getLogger(__name__)
 
@@ -240,7 +240,7 @@ class CheckpointManager:
 
   def should_save(self, step: int) -> bool:
     """Whether save(step) would save on any tier (pure; no collective)."""
-    from emergency_ckpt import policies  # noqa: PLC0415
+    from emergency_ckpt.save import policies  # noqa: PLC0415
 
     return policies.decide_save(
       step,

@@ -19,11 +19,12 @@ import tempfile
 import threading
 import time
 
+from emergency_ckpt.peer import partner as partner_lib
+from emergency_ckpt.peer import reshard_stream
+
 from emergency_ckpt import local_read, local_tier
 from emergency_ckpt import shards as shards_lib
 from emergency_ckpt.bench import redundancy
-from emergency_ckpt.peer import partner as partner_lib
-from emergency_ckpt.peer import reshard_stream
 
 TIMERS = collections.defaultdict(list)
 PHASE = {"now": "save"}

@@ -15,9 +15,9 @@ import time
 
 import crc32c
 import numpy as np
+from emergency_ckpt.peer import xor
 
 from emergency_ckpt import local_format
-from emergency_ckpt.peer import xor
 
 MIB = 1 << 20
 K, SIZE, STEPS = 4, int(sys.argv[1]) * MIB, int(sys.argv[2])

@@ -4,9 +4,8 @@ import time
 def worker(args):
   import jax
   import numpy as np
-  from jax.sharding import Mesh
-
   from emergency_ckpt.topology import Collectives, topology_from_mesh
+  from jax.sharding import Mesh
 
   mesh = Mesh(np.array(jax.devices()).reshape(args["slices"], -1), ("replica", "data"))
   topo = topology_from_mesh(mesh, "replica")

@@ -3,8 +3,9 @@ import os
 import statistics
 import sys
 
-from emergency_ckpt.bench import scale_real
 from emergency_ckpt.testing import launcher
+
+from emergency_ckpt.bench import scale_real
 
 # the job processes import the worker module from this folder
 HERE = os.path.dirname(os.path.abspath(__file__))

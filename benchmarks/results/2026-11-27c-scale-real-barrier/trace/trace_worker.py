@@ -24,8 +24,9 @@ def _wrap(obj, name, label=None):
 
 
 def restart_worker(args):
-  from emergency_ckpt import restorer, topology
   from emergency_ckpt.peer import stream
+
+  from emergency_ckpt import restorer, topology
 
   for n in (
     "gather_sparse",

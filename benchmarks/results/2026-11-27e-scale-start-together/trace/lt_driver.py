@@ -2,8 +2,9 @@ import json
 import os
 import sys
 
-from emergency_ckpt.bench import scale_real
 from emergency_ckpt.testing import launcher
+
+from emergency_ckpt.bench import scale_real
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [HERE, os.environ.get("PYTHONPATH")]))

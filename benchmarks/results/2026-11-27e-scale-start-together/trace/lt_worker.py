@@ -76,8 +76,9 @@ def restart_worker(args):
     return inner(self)
 
   manager.CheckpointManager.latest_step = ls
-  from emergency_ckpt import restorer
   from emergency_ckpt.peer import stream
+
+  from emergency_ckpt import restorer
 
   _wrap(topology.Collectives, "gather_sparse")
   _wrap(topology.Collectives, "exchange_some")

@@ -1,0 +1,1 @@
+"""Research studies of emergency_ckpt (scale, elastic restarts, redundancy, shared reads, device transfers); run from a checkout, e.g. `python -m benchmarks.scale`. Not part of the wheel: the user-facing benchmark is `emergency-ckpt bench`."""

@@ -1,0 +1,1 @@
+"""The job's shape and its coordination: slices, process identity, collectives through the coordination service, host placement, and the one module that touches JAX's and Orbax's private internals."""

@@ -1,0 +1,79 @@
+"""Reading one process's local step folder: map, verify, hand out arrays.
+
+Shared by the local tier's restore path (which must not wait for Orbax to
+load: a restart's time to restored state is on the job's critical path) and
+the Orbax handler (local_handler.LocalShardsHandler.restore, for plain Orbax
+users). No Orbax here. Called by: any thread; blocks on one checksum pass.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from emergency_ckpt.core import compat
+from emergency_ckpt.core import shards as shards_lib
+from emergency_ckpt.errors import CorruptCheckpointError
+from emergency_ckpt.local import format as local_format
+from emergency_ckpt.local.format import LocalStep
+
+
+def read_step(
+  where: str,
+  *,
+  abstract: Any = None,
+  paths: Sequence[str] | None = None,
+  on_map: Callable[[os.stat_result], None] | None = None,
+  verify: bool = True,
+) -> LocalStep:
+  """The step's shards as arrays over a private mapping of `shards.bin`
+  (nothing copied), each checked against its CRC32C: those `abstract`
+  describes (a pytree, or with `paths` the flat list), or every saved shard
+  if None. `on_map` gets the file's stat before it is mapped. verify=False
+  (every saved shard only): nothing checked yet, the caller checks each
+  shard it uses against its manifest record (reshard_stream: a partner's
+  copy, checked once, by whoever receives it).
+
+  Raises OSError (files absent), CorruptCheckpointError (bad bytes),
+  TopologyMismatchError (a needed shard absent), StateMismatchError (tree,
+  shape or dtype differ)."""
+  body = local_format.read_manifest(where)
+  if abstract is None:
+    buf = _map(where, body, on_map)
+    return LocalStep(body["step"], body, verify_buffer(body, buf, where, check=verify))
+  if paths is None:
+    paths, abstract, _ = shards_lib.leaf_paths(abstract)
+  compat.check_tree([leaf["path"] for leaf in body["leaves"]], paths, where)
+  shard_layout = shards_lib.layout_for(paths, abstract)
+  buf = _map(where, body, on_map)
+  return LocalStep(body["step"], body, local_format.verified_shards(body, buf, shard_layout, where))
+
+
+def _map(where: str, body: dict, on_map) -> Any:
+  with open(os.path.join(where, local_format.SHARDS), "rb") as f:
+    if on_map is not None:
+      on_map(os.fstat(f.fileno()))
+    return local_format.map_open(f, body["nbytes"], where)
+
+
+def verify_buffer(
+  body: dict, buf: Any, where: str, *, check: bool = True
+) -> list[dict[tuple, Any]]:
+  """Per saved leaf of the manifest `body`, {index: shard array} of every
+  shard in `buf` (a step's shards.bin bytes), each verified (check=False:
+  sizes only); raises CorruptCheckpointError naming `where`."""
+  out = []
+  for leaf in body["leaves"]:
+    dtype = shards_lib.dtype_from_name(leaf["dtype"])
+    arrays = {}
+    for s in leaf["shards"]:
+      index = tuple(tuple(r) for r in s["index"])
+      data = buf[s["offset"] : s["offset"] + s["nbytes"]]
+      if len(data) != s["nbytes"] or (check and not local_format.checksum_ok(data, s)):
+        raise CorruptCheckpointError(
+          f"{where}/{local_format.SHARDS}: leaf {leaf['path']} shard {index} fails its checksum"
+        )
+      arrays[index] = data.view(dtype).reshape(shards_lib.shard_shape(index))
+    out.append(arrays)
+  return out

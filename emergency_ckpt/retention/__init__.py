@@ -1,0 +1,1 @@
+"""Retention: which steps each tier keeps (pure rules, shared with `emergency-ckpt gc`) and the manager's background deletion of the rest."""

@@ -1,0 +1,196 @@
+"""Applies the retention rules to this process's tiers, in the background.
+
+The rules (which steps to keep) are pure (retention.py, shared with
+`emergency-ckpt gc`); this module lists the tiers, asks the rules, and
+deletes. When it runs:
+- local: after each local write of this process, and again when a commit
+  may free a step (the primary signals each commit through the coordination
+  service: a hint only, the markers in storage decide);
+- state store and persistent tier: on the primary process, after a commit
+  and after a persistent step is finalized.
+
+Called by: the manager's background lanes ("retention", "commit-watch").
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from emergency_ckpt.core.records import StepRecords
+from emergency_ckpt.retention import rules as retention
+from emergency_ckpt.runtime.background import Background
+
+logger = logging.getLogger("emergency_ckpt")
+
+
+class Retainer:
+  """Retention of one process's local copies (every process) and of the
+  state store and persistent tier (the primary process)."""
+
+  def __init__(
+    self,
+    options,
+    *,
+    topology,
+    local,
+    persistent,
+    state,
+    collectives,
+    records,
+    background: Background,
+  ):
+    self._options = options
+    self._topology = topology
+    self._local = local
+    self._persistent = persistent
+    self._state = state
+    self._collectives = collectives
+    self._records: StepRecords = records
+    self._background = background
+    self._lock = threading.Lock()
+    self._watch_stop: threading.Event | None = None  # the newest watch's; set = give up
+    self._signalled: int | None = None  # the newest committed_<step> signal raised
+    self._closed = False
+
+  # ---- ranking ---------------------------------------------------------------
+  def metrics_of(self, steps) -> dict[int, dict]:
+    """Metrics of `steps`: from save() calls, else from their COMMIT records
+    (uncommitted steps are unknown, never counted as best)."""
+    if self._options.best_metric is None:
+      return {}
+    out = {}
+    for step in steps:
+      metrics = self._records.metrics.get(step)
+      if metrics is None:
+        record = self._state.record(step)
+        if record is None:
+          continue
+        metrics = record.get("metrics") or {}
+        self._records.metrics.put(step, metrics)
+      out[step] = metrics
+    return out
+
+  # ---- the tiers ---------------------------------------------------------------
+  def local(self) -> None:
+    """Deletes this process's local steps the rules drop (their files become
+    spares for later saves), and the copies found in other processes'
+    folders on this host by the same rules (a restart onto other hosts)."""
+    steps = self._local.held_steps()
+    plan = retention.local_plan(
+      steps,
+      self._options.retention("local"),
+      is_committed=self._state.has_commit,  # no listing per save (issue 15)
+      metrics=self.metrics_of(steps),
+    )
+    if len(plan.keep) > self._options.local.max_to_keep + 2:
+      logger.warning(
+        "%s keeping %d local steps (max_to_keep=%d): their state is not committed yet;"
+        " is the persistent directory reachable?",
+        self._topology.log_prefix(),
+        len(plan.keep),
+        self._options.local.max_to_keep,
+      )
+    # Runs beside the next writes: only steps of this listing may go.
+    self._local.apply_retention(set(plan.keep), among=steps)
+
+  def state(self) -> None:
+    """Primary process: deletes state steps no tier needs any more."""
+    listed = self._state.listed_steps()  # one listing of the root per save
+    committed = self._state.committed_steps(listed)  # new COMMITs read, once each
+    plan = retention.state_plan(
+      listed,
+      committed,
+      self._options.retention("local"),
+      persistent=self._persistent.steps(),
+      persistent_interval=self._options.persistent.save_interval_steps,
+      metrics=self.metrics_of(committed),
+      extra_newest=retention.LOCAL_LAG_STEPS,
+    )
+    for step in sorted(plan.delete):
+      self._state.delete(step)
+
+  def persistent(self) -> None:
+    """Primary process: deletes persistent steps the rules drop; never the
+    newest restorable one (newest finalized step with committed state) nor
+    anything newer."""
+    committed = self._state.committed_steps()
+    plan = retention.persistent_plan(
+      self._persistent.steps(),
+      self._options.retention("persistent"),
+      committed=committed,
+      metrics=self.metrics_of(committed),
+    )
+    for step in sorted(plan.delete):
+      logger.info("%s retention deletes persistent step %d", self._topology.log_prefix(), step)
+      self._persistent.delete(step)
+
+  # ---- scheduling ------------------------------------------------------------
+  def after_local_write(self, step: int) -> None:
+    """Queues local retention after this process's write of `step` (off the
+    write thread: deleting old steps is not this save's durability)."""
+    self._background.submit("retention", self._after_write, step)
+
+  def _after_write(self, step: int) -> None:
+    self.local()
+    if not self._topology.is_primary_process:
+      self._watch_commit(step)
+
+  def over_budget(self) -> bool:
+    """More local steps than max_to_keep: a new commit may free one."""
+    return len(self._local.held_steps()) > self._options.local.max_to_keep
+
+  def local_soon(self) -> None:
+    """Queues a local retention pass (nothing once closing)."""
+    self._background.try_submit("retention", self.local)
+
+  def _watch_commit(self, step: int) -> None:
+    """Non-primary processes, after the retention pass that follows their
+    local write of `step`: if they still hold more than max_to_keep steps,
+    local retention runs again once the primary signals that `step`
+    committed. Without it, a step that only this commit makes droppable stays
+    on the ramdisk until the next local write: with max_to_keep=1, two copies
+    between saves. A newer step's watch (or close) ends this one. Not
+    tracked: a commit that never comes costs nothing but this thread's wait."""
+    if not self.over_budget():
+      return
+    stop = threading.Event()
+    with self._lock:
+      if self._closed:
+        return
+      if self._watch_stop is not None:
+        self._watch_stop.set()
+      self._watch_stop = stop
+
+    def watch() -> None:
+      if self._collectives.wait_signal(
+        f"committed_{step}",
+        timeout_s=self._options.state_commit_timeout_s,
+        stop=stop,
+        poll_s=0.5,
+      ):
+        self.local_soon()
+
+    try:
+      self._background.lane("commit-watch").submit(watch)
+    except RuntimeError:  # closing
+      pass
+
+  def after_commit(self, step: int) -> None:
+    """Primary process, on the commit lane, once `step` committed."""
+    self._collectives.signal(f"committed_{step}")
+    if self._signalled is not None:  # watchers of older steps were ended by newer ones
+      self._collectives.forget(signal=f"committed_{self._signalled}")
+    self._signalled = step
+    if self.over_budget():
+      self.local_soon()
+    self.state()
+    if step in self._records.persistent_final:
+      self.persistent()
+
+  def close(self) -> None:
+    """Ends a commit watch still waiting (within its 0.5 s poll)."""
+    with self._lock:
+      self._closed = True
+      if self._watch_stop is not None:
+        self._watch_stop.set()

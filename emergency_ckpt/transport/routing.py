@@ -1,0 +1,143 @@
+"""Who sends what to whom in a peer transfer: pure, shared by both transports.
+
+Lost slices are spread over the intact ones round-robin, so with several
+intact slices the sends run in parallel: the collective transport assigns
+whole slices (rounds of a permutation), the stream transport single shards.
+The state must be replicated over the replica axis (each slice holds a full
+copy) for any slice to serve another.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from emergency_ckpt.core import compat
+from emergency_ckpt.core import shards as shards_lib
+from emergency_ckpt.errors import PeerTransferError, TopologyError
+
+
+def source_of(intact: Sequence[int], k: int) -> int:
+  """The k-th pick of the round-robin over `intact` slices."""
+  return intact[k % len(intact)]
+
+
+def check_peer_compatible(
+  paths: Sequence[str], abstract: Sequence, mesh, replica_axis: str
+) -> str | None:
+  """Why no slice can serve another `abstract`'s shards, or None if one can."""
+  return compat.replica_problem(paths, abstract, mesh, replica_axis)
+
+
+def routes(intact: Sequence[int], lost: Sequence[int]) -> list[list[tuple[int, int]]]:
+  """Rounds of (source, destination) slice pairs: every lost slice gets one
+  sender; within a round no slice sends or receives twice (a permutation)."""
+  if not intact:
+    raise TopologyError("a peer transfer needs at least one intact slice")
+  rounds: list[list[tuple[int, int]]] = []
+  for i, dst in enumerate(lost):
+    r = i // len(intact)
+    if r == len(rounds):
+      rounds.append([])
+    rounds[r].append((source_of(intact, i), dst))
+  return rounds
+
+
+def plan_pulls(
+  layout: shards_lib.Layout,
+  mesh_devices: np.ndarray,
+  replica_axis_index: int,
+  intact: Sequence[int],
+  rank: int,
+) -> dict[int, list[tuple[int, shards_lib.ShardSlot]]]:
+  """{sender process: [(leaf number, slot)]} for a receiver whose shards are
+  `layout`: each shard from the process holding the same mesh coordinates in
+  an intact slice, round-robin over `intact` (offset by the receiver's
+  `rank` among receivers, so several receivers spread over the senders).
+  Pure: devices need only `.id` and `.process_index`."""
+  if not intact:
+    raise PeerTransferError("a peer transfer needs at least one intact slice")
+  coords = {d.id: idx for idx, d in np.ndenumerate(mesh_devices)}
+  out: dict[int, list[tuple[int, shards_lib.ShardSlot]]] = {}
+  k = rank
+  for leaf_no, leaf in enumerate(layout.leaves):
+    for slot in leaf.slots:
+      if not slot.nbytes:
+        continue
+      source = list(coords[slot.devices[0].id])
+      source[replica_axis_index] = source_of(intact, k)
+      k += 1
+      sender = int(mesh_devices[tuple(source)].process_index)
+      out.setdefault(sender, []).append((leaf_no, slot))
+  return out
+
+
+def plan_split(
+  layout: shards_lib.Layout,
+  mesh_devices: np.ndarray,
+  replica_axis_index: int,
+  num_slices: int,
+  my_slice: int,
+  readers: int | None = None,
+) -> tuple[set[tuple[int, shards_lib.Index]], dict[int, list[tuple[int, shards_lib.ShardSlot]]]]:
+  """A read split between the slices (every slice needs the same shards):
+  (the (leaf number, index) slots this process reads, {sender process:
+  [(leaf number, slot)]} of the rest). `readers` (1..num_slices, default
+  all): slices 0..readers-1 read from storage, the others only receive. The
+  slots, in layout order, are cut into `readers` contiguous runs of about
+  equal bytes (the same cut on every process at the same mesh coordinates):
+  contiguous, because tensorstore coalesces nearby reads of one data file,
+  gaps included, so interleaved slots cost almost the whole file (measured:
+  1.76x the model read instead of 1x on 2 slices). A slot is pulled from the
+  process at the same coordinates in its reading slice.
+  Pure: devices need only `.id` and `.process_index`."""
+  readers = num_slices if readers is None else readers
+  if not 1 <= readers <= num_slices:
+    raise ValueError(f"readers must be 1..{num_slices} (the slice count), got {readers}")
+  coords = {d.id: idx for idx, d in np.ndenumerate(mesh_devices)}
+  total = sum(slot.nbytes for leaf in layout.leaves for slot in leaf.slots)
+  done = 0
+  mine: set[tuple[int, shards_lib.Index]] = set()
+  pulls: dict[int, list[tuple[int, shards_lib.ShardSlot]]] = {}
+  for leaf_no, leaf in enumerate(layout.leaves):
+    for slot in leaf.slots:
+      if not slot.nbytes:
+        continue
+      # contiguous runs, by the slot's middle byte
+      reader = min(readers - 1, (2 * done + slot.nbytes) * readers // (2 * total))
+      done += slot.nbytes
+      if reader == my_slice:
+        mine.add((leaf_no, slot.index))
+        continue
+      source = list(coords[slot.devices[0].id])
+      source[replica_axis_index] = reader
+      sender = int(mesh_devices[tuple(source)].process_index)
+      pulls.setdefault(sender, []).append((leaf_no, slot))
+  return mine, pulls
+
+
+# The measured rule's unit: every reader slice reads at least this much.
+# Measured (benchmarks/results/2026-11-25-shared-read/, one 2-core machine
+# where every slice shares the cores and one fake-gcs-server): at 4-16 MiB
+# one reader restored in 0.66-1.06x the per-process read's time and the
+# split in 0.96-1.43x (2 and 4 slices): each reader pays a fixed cost (Orbax
+# metadata, tensorstore opens). From 64 to 256 MiB the modes were within
+# each other's noise (one reader 0.59-1.16x, the split 0.66-0.92x). The
+# split's gain, R times the read bandwidth and each reader's egress cut
+# R-fold, needs slices on hosts of their own, which one machine cannot
+# show: the crossover is put above the sizes measured here, not measured.
+SHARED_READ_MIN_BYTES = 256 << 20
+
+
+def reader_slices(num_slices: int, model_bytes: int, configured: int | None = None) -> int:
+  """How many slices read a shared persistent restore from storage (the
+  others receive everything over the peer transport): `configured`
+  (persistent.shared_read_slices) capped at num_slices, else the measured
+  rule: min(S, model bytes // SHARED_READ_MIN_BYTES), at least 1 (one
+  slice reads models under 512 MiB; every slice reads one of S x 256 MiB
+  or more). Pure; the same on every process (the model's bytes, not this
+  process's)."""
+  if configured is not None:
+    return max(1, min(configured, num_slices))
+  return max(1, min(num_slices, model_bytes // SHARED_READ_MIN_BYTES))
