@@ -110,7 +110,7 @@ def test_exchange_one_interpreter():
 
 
 def test_xor_setup_rounds_assign_and_all_gather():
-  """The XOR set-up rounds (benchmarks/results/2026-11-26e-xor-setup):
+  """The XOR set-up rounds (benchmarks/results/redundancy-xor.md):
   every process gets a group of 8; with assign a plain process makes 3
   calls and the assigner K + 2, the all-gather 3 each (the primary more)."""
   sim = scale_exchange.Simulation(16, 60.0, workers=2)

@@ -11,7 +11,7 @@
 # --python-version 3.12 --platform manylinux_2_28_x86_64 -d .whl NAME==VERSION`).
 # Here, on CPU: NO_WHEELS=1 PY=.venv/bin/python STALL_MIB=64
 #   STALL_ARGS="--matmuls 1 --matmul-size 64" bash benchmarks/device/session.sh
-# Results: benchmarks/results/2026-11-26g-device-h200/, 2026-11-27a-device-h200-redundancy/.
+# Results: benchmarks/results/device-gpu.md, persistent.md, redundancy-overlap.md.
 set -u
 BUDGET_S=${BUDGET_S:-480}
 RES_DEFAULT=/tmp/ec-device-results
