@@ -1,6 +1,6 @@
 """emergency_ckpt: multi-tier emergency checkpointing for multi-slice JAX jobs.
 
-The public surface, and only it: every name below is documented in README.md;
+The public surface, and only it: every name below is documented in the docs (docs/api.md);
 the modules behind it are implementation details. Names load on first use,
 so offline tools (`emergency-ckpt gc`, `inspect`, `verify`) never import JAX.
 """

@@ -104,7 +104,7 @@ def gcs_proxy(gcs_server):
 def fault_matrix():
   """Records fault-matrix rows (tests/fault_matrix.py): `check(id, observed,
   ok)` records, then asserts. Rows go to $EC_FAULT_MATRIX_OUT (JSON lines) if
-  set, which `python -m tests.fault_matrix` turns into the README table."""
+  set, which `python -m tests.fault_matrix` turns into the table in docs/guarantees.md."""
   from tests.fault_matrix import Recorder  # noqa: PLC0415
 
   return Recorder(os.environ.get("EC_FAULT_MATRIX_OUT"))

@@ -1,13 +1,14 @@
 """The fault matrix: every fault scenario, what it must do, what it did.
 
-- `SCENARIOS`: the registry (id, what is done, what must happen). The README
-  table lists them in this order.
+- `SCENARIOS`: the registry (id, what is done, what must happen). The table
+  in docs/guarantees.md lists them in this order.
 - `Recorder`: the `fault_matrix` fixture (tests/conftest.py). Each fault test
   calls `fault_matrix.check(id, observed, ok)`, which records the row (to
   JSON lines at $EC_FAULT_MATRIX_OUT, if set) and asserts `ok`.
 - `python -m tests.fault_matrix`: runs the fault tests (and the local tier's
-  1000-trial bit-flip test), writes build/fault_matrix.json and rewrites the
-  README between `<!-- fault-matrix:begin -->` and `<!-- fault-matrix:end -->`.
+  1000-trial bit-flip test), writes build/fault_matrix.json and rewrites
+  docs/guarantees.md (the docs site's Guarantees page) between
+  `<!-- fault-matrix:begin -->` and `<!-- fault-matrix:end -->`.
   `--no-run` rebuilds the table from the last run's rows.
 """
 
@@ -671,7 +672,7 @@ def _bitflip_row(python: str, env: dict) -> dict:
 def main(argv: list[str] | None = None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--no-run", action="store_true", help="rebuild from build/fault_matrix.jsonl")
-  ap.add_argument("--readme", default=os.path.join(REPO, "README.md"))
+  ap.add_argument("--readme", default=os.path.join(REPO, "docs", "guarantees.md"))
   ap.add_argument("--out", default=os.path.join(REPO, "build", "fault_matrix.json"))
   ap.add_argument("pytest_args", nargs="*", help="extra pytest arguments")
   args = ap.parse_args(argv)
@@ -719,7 +720,7 @@ def main(argv: list[str] | None = None) -> int:
   with open(args.out, "w") as f:
     json.dump({"meta": meta, "scenarios": table}, f, indent=1)
   rewrite_readme(args.readme, render(rows, meta))
-  print(f"{meta['passed']}/{len(SCENARIOS)} scenarios as promised; README table rewritten")
+  print(f"{meta['passed']}/{len(SCENARIOS)} scenarios as promised; {args.readme} table rewritten")
   return 0 if meta["passed"] == len(SCENARIOS) else 1
 
 
