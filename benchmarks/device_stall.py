@@ -19,7 +19,7 @@ host), `ours-device` (device_snapshot True), `orbax` (a plain
 ocp.CheckpointManager, async, on the same ramdisk): each saves every step
 to the ramdisk only; `ours-device-both-tiers` and `ours-host-both-tiers`
 save every step to both tiers (the persistent one on local disk). Bounds, same state:
-`jax.device_get` into fresh host memory, shards.fill into a reused
+`jax.device_get` into fresh host memory, device_copy.fill into a reused
 faulted-in buffer, the device-side copy alone, and a device_put of host
 arrays (restore's bound). Nothing here asserts a time: it prints and writes
 JSON; tests run it at a tiny size on CPU.
@@ -252,12 +252,12 @@ def measure_manager(name, trainer: Trainer, mesh, root, args) -> dict[str, Any]:
 
 def measure_bounds(trainer: Trainer, reps: int) -> dict[str, Any]:
   from emergency_ckpt.core import shards as shards_lib  # noqa: PLC0415
-  from emergency_ckpt.runtime import staging  # noqa: PLC0415
+  from emergency_ckpt.runtime import buffers, device_copy  # noqa: PLC0415
 
   state = trainer.state
   paths, leaves, _ = shards_lib.leaf_paths(state)
   layout = shards_lib.layout_for(paths, leaves)
-  buffer = staging.aligned_empty(layout.nbytes)
+  buffer = buffers.aligned_empty(layout.nbytes)
   buffer[::4096] = 0
   out: dict[str, list[float]] = {"device_get": [], "stage_reused": [], "device_copy": []}
   out.update({"device_copy_dispatch": [], "device_put": []})
@@ -269,10 +269,10 @@ def measure_bounds(trainer: Trainer, reps: int) -> dict[str, Any]:
     del fresh
     out["device_get"].append(time.perf_counter() - t0)
     t0 = time.perf_counter()
-    shards_lib.fill(shards_lib.slot_shards(leaves, layout), layout, buffer)
+    device_copy.fill(device_copy.slot_shards(leaves, layout), layout, buffer)
     out["stage_reused"].append(time.perf_counter() - t0)
     t0 = time.perf_counter()
-    copies = shards_lib.device_copies(shards_lib.slot_shards(leaves, layout))
+    copies = device_copy.device_copies(device_copy.slot_shards(leaves, layout))
     out["device_copy_dispatch"].append(time.perf_counter() - t0)
     jax.block_until_ready(copies)
     out["device_copy"].append(time.perf_counter() - t0)

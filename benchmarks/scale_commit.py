@@ -60,7 +60,8 @@ class _CounterService:
 
 def _collectives(k: int, index: int, service: _CounterService):
   """A Collectives of simulated process `index` of `k` (one slice), over `service`."""
-  from emergency_ckpt.cluster.topology import Collectives, Topology  # noqa: PLC0415 - imports JAX
+  from emergency_ckpt.cluster.collectives import Collectives  # noqa: PLC0415 - imports JAX
+  from emergency_ckpt.cluster.topology import Topology  # noqa: PLC0415
 
   topo = Topology(
     process_index=index,

@@ -32,7 +32,7 @@ from typing import Any
 
 from benchmarks.scale_planner import STEP_EVERY
 from benchmarks.scale_report import fmt_secs
-from emergency_ckpt.restore import plan as restore_plan
+from emergency_ckpt.restore import summary as restore_summary
 
 PROCESSES_PER_SLICE = 16  # the exchange's simulated topology
 SWITCH_INTERVAL_S = 0.05  # the GIL's, while simulated processes run (default 0.005)
@@ -212,16 +212,13 @@ class ClientGroup:
   the service (one interpreter) or in one of its worker processes."""
 
   def __init__(self, k: int, lo: int, hi: int, address: str, timeout_s: float):
-    from jax._src.lib import _jax  # noqa: PLC0415 - only the benchmark needs it
+    from emergency_ckpt.cluster import jax_runtime  # noqa: PLC0415 - imports JAX
 
     self.k, self.timeout_s = k, timeout_s
     self.indices = range(lo, hi)
     timeout = int(timeout_s)
     self._raw = [
-      _jax.get_distributed_runtime_client(
-        address, i, init_timeout=timeout, shutdown_timeout=timeout
-      )
-      for i in self.indices
+      jax_runtime.coordination_client(address, i, timeout_s=timeout) for i in self.indices
     ]
     self.clients = [CountingClient(c) for c in self._raw]
     self._fns: dict[str, Callable[[int, int], bool]] | None = None
@@ -243,7 +240,7 @@ class ClientGroup:
   def _setup(self) -> dict[str, Callable[[int, int], bool]]:
     """The rounds' per-process functions fn(i, rep) -> whether process i got
     the right answer (the tree's answers are checked after the round)."""
-    from emergency_ckpt.cluster.topology import Collectives  # noqa: PLC0415
+    from emergency_ckpt.cluster.collectives import Collectives  # noqa: PLC0415
     from emergency_ckpt.core import parity as xor_parity  # noqa: PLC0415
     from emergency_ckpt.restore import inventory  # noqa: PLC0415
 
@@ -257,8 +254,8 @@ class ClientGroup:
     self._colls = colls
     payloads = [inventory_payload(i, i // per) for i in range(k)]
     self.payload_sizes = [len(json.dumps(p, sort_keys=True)) for p in payloads]
-    invs = [restore_plan.Inventory.from_json(p) for p in payloads]
-    self._want = restore_plan.summarize(invs, slices)
+    invs = [restore_summary.Inventory.from_json(p) for p in payloads]
+    self._want = restore_summary.summarize(invs, slices)
     self._got: dict[int, Any] = {}
     procs = list(range(k))
 
@@ -386,13 +383,13 @@ class Simulation:
   released by one cross-process start event."""
 
   def __init__(self, k: int, timeout_s: float, workers: int = 1):
-    from jax._src.lib import _jax  # noqa: PLC0415 - only the benchmark needs it
+    from emergency_ckpt.cluster import jax_runtime  # noqa: PLC0415 - imports JAX
 
     self.k, self.timeout_s = k, timeout_s
     self.workers = max(1, min(workers, k))
     self.address = f"127.0.0.1:{_free_port()}"
     self.slice_processes = slice_processes(k)
-    self._service = _jax.get_distributed_runtime_service(self.address, k)
+    self._service = jax_runtime.coordination_service(self.address, k)
     self._group: ClientGroup | None = None
     self._procs: list[Any] = []
     self._conns: list[Any] = []
@@ -550,7 +547,7 @@ def inventory_payload(process: int, slice_index: int) -> dict[str, Any]:
   local = tuple(range(newest - 4 * STEP_EVERY, newest + 1, STEP_EVERY))
   primary = process == 0
   rejected = {local[0] - STEP_EVERY: "checksum mismatch in shard 3"} if process % 8 == 7 else {}
-  return restore_plan.Inventory(
+  return restore_summary.Inventory(
     process=process,
     slice=slice_index,
     local_steps=local,

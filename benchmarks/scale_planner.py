@@ -11,6 +11,7 @@ import tracemalloc
 from typing import Any
 
 from emergency_ckpt.restore import plan as restore_plan
+from emergency_ckpt.restore import summary as restore_summary
 
 STEP_EVERY = 100
 
@@ -38,7 +39,7 @@ def planner_inputs(processes: int, slices: int, steps: int):
       local = all_steps[:-3]
     elif j == damaged and s % 16 == 9:
       local = all_steps[: steps // 2] + all_steps[steps // 2 + 1 :]
-    inv = restore_plan.Inventory(
+    inv = restore_summary.Inventory(
       process=p,
       slice=s,
       local_steps=local,
@@ -65,18 +66,18 @@ def _plan(encoded: list[str], slice_processes, statuses):
   summarises its slice (in parallel across slices: the slowest counts), the
   last of those combines the summaries, then every process plans from the job summary."""
   t0 = time.perf_counter()
-  invs = [restore_plan.Inventory.from_json(json.loads(e)) for e in encoded]
+  invs = [restore_summary.Inventory.from_json(json.loads(e)) for e in encoded]
   t1 = time.perf_counter()
   sums, slice_s = {}, []
   for s, procs in enumerate(slice_processes):
     ts = time.perf_counter()
     values = {p: json.loads(encoded[p]) for p in procs}
-    sums[s] = json.loads(json.dumps(restore_plan.slice_summary(s, values, len(procs))))
+    sums[s] = json.loads(json.dumps(restore_summary.slice_summary(s, values, len(procs))))
     slice_s.append(time.perf_counter() - ts)
   t2 = time.perf_counter()
-  job_json = json.dumps(restore_plan.job_summary(sums, len(slice_processes)))
+  job_json = json.dumps(restore_summary.job_summary(sums, len(slice_processes)))
   t3 = time.perf_counter()
-  cands = restore_plan.candidates(restore_plan.JobInventory.from_json(json.loads(job_json)))
+  cands = restore_plan.candidates(restore_summary.JobInventory.from_json(json.loads(job_json)))
   t4 = time.perf_counter()
   plan = restore_plan.decide(cands[0], statuses, slice_processes) if cands else None
   t5 = time.perf_counter()
@@ -116,9 +117,9 @@ def measure_planner(processes: int, slices: int, steps: int, reps: int) -> dict[
   tracemalloc.start()
   try:
     base = tracemalloc.get_traced_memory()[0]
-    invs = [restore_plan.Inventory.from_json(json.loads(e)) for e in encoded]
+    invs = [restore_summary.Inventory.from_json(json.loads(e)) for e in encoded]
     held = tracemalloc.get_traced_memory()[0] - base
-    cands = restore_plan.candidates(restore_plan.summarize(invs, slice_processes))
+    cands = restore_plan.candidates(restore_summary.summarize(invs, slice_processes))
     restore_plan.decide(cands[0], statuses, slice_processes)
     peak = tracemalloc.get_traced_memory()[1] - base
   finally:

@@ -58,7 +58,21 @@ def _build(cls, data: Mapping[str, Any], where: str):
 
 
 def apply_overrides(data: dict, overrides: Iterable[str]) -> dict:
-  """Applies `a.b=value` strings (value parsed as YAML) to a nested dict."""
+  """Applies `a.b=value` overrides to a nested dict of options.
+
+  Args:
+    data: the options as a nested dict (a YAML file's content); not modified.
+    overrides: `key.sub=value` strings, applied in order; each value is
+      parsed as YAML (an empty value is None), and missing sections are
+      created.
+
+  Returns:
+    A copy of `data` with the overrides applied.
+
+  Raises:
+    ConfigError: an override lacks `=` or a key, its value is not valid
+      YAML, or it reaches into a key that is not a section.
+  """
   data = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in data.items()}
   for item in overrides:
     if "=" not in item:
@@ -87,11 +101,39 @@ def apply_overrides(data: dict, overrides: Iterable[str]) -> dict:
 def options_from_dict(
   data: Mapping[str, Any], overrides: Iterable[str] = ()
 ) -> CheckpointManagerOptions:
+  """Builds the options from a nested dict, as load_config does from a file.
+
+  Args:
+    data: the manager's fields at the top level, the tiers' under `local`,
+      `persistent` and `peer`; string values expand `$VAR` / `${VAR}`.
+    overrides: `key.sub=value` strings (apply_overrides).
+
+  Returns:
+    The options, the same object as built in code.
+
+  Raises:
+    ConfigError: an unknown or missing key, a section that is not a
+      mapping, a bad override, or an unset environment variable.
+    InvalidOptionsError: a field has an impossible value (names it).
+  """
   return _build(CheckpointManagerOptions, apply_overrides(dict(data), overrides), "")
 
 
 def load_config(path: str | os.PathLike, overrides: Iterable[str] = ()) -> CheckpointManagerOptions:
-  """Reads a YAML file into CheckpointManagerOptions (same object as in code)."""
+  """Reads a YAML file into CheckpointManagerOptions (the same object as built in code).
+
+  Args:
+    path: the YAML file.
+    overrides: `key.sub=value` strings applied after reading (apply_overrides).
+
+  Returns:
+    The options.
+
+  Raises:
+    ConfigError: the file cannot be read or is not valid YAML, or as
+      options_from_dict.
+    InvalidOptionsError: as options_from_dict.
+  """
   try:
     with open(path) as f:
       data = yaml.safe_load(f) or {}
@@ -120,7 +162,14 @@ def _expand(value: str, path: str) -> str:
 
 
 def field_docs(cls) -> dict[str, str]:
-  """Field docstrings (the string literal after each field) for docs and --help."""
+  """Field docstrings (the string literal after each field), for docs and --help.
+
+  Args:
+    cls: an option dataclass.
+
+  Returns:
+    {field name: its docstring on one line}; fields without one are left out.
+  """
   import ast  # noqa: PLC0415
   import inspect  # noqa: PLC0415
   import textwrap  # noqa: PLC0415

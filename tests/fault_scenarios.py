@@ -28,6 +28,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import emergency_ckpt as ec
+from emergency_ckpt.cluster import collectives as collectives_lib
+from emergency_ckpt.cluster import rendezvous as rendezvous_lib
 from emergency_ckpt.cluster import topology as topology_lib
 from emergency_ckpt.demo.launcher import job_output_dir, read_pid
 from tests import scenarios as sc
@@ -35,13 +37,13 @@ from tests.helpers import barrier
 
 # ---- plumbing -------------------------------------------------------------------
 
-_ORIG_NEXT_KEY = topology_lib._next_key  # noqa: SLF001
+_ORIG_NEXT_KEY = rendezvous_lib._next_key  # noqa: SLF001
 
 
 def use_namespace(tag: str) -> None:
   """Puts every later exchange of this process under `tag` (all processes call
   it with the same tag at the same point)."""
-  topology_lib._next_key = lambda ns, name, client: _ORIG_NEXT_KEY(f"{ns}.{tag}", name, client)  # noqa: SLF001
+  rendezvous_lib._next_key = lambda ns, name, client: _ORIG_NEXT_KEY(f"{ns}.{tag}", name, client)  # noqa: SLF001
 
 
 def me() -> int:
@@ -501,14 +503,14 @@ def _reset(path: str, pristine: str) -> None:
 def _stop_at_status_exchange() -> None:
   """This process SIGSTOPs itself when restore() reaches its per-step status
   exchange: after the inventory agreement, in the middle of the restore."""
-  original = topology_lib.Collectives.gather_sparse
+  original = collectives_lib.Collectives.gather_sparse
 
   def gather_sparse(self, name, payload, **kw):
     while name.startswith("restore_status"):  # hangs for good (see failpoints.hit)
       signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
     return original(self, name, payload, **kw)
 
-  topology_lib.Collectives.gather_sparse = gather_sparse
+  collectives_lib.Collectives.gather_sparse = gather_sparse
 
 
 def _append_record(rec: dict) -> None:

@@ -137,12 +137,12 @@ def save_steps(args: dict) -> dict:
   """Saves args['steps'] (each a state distinct by step), then waits.
   args['orbax_distributed_ids']: set Orbax's experimental flag that makes it
   translate process indices first. args['upload_memory_kind']: the memory
-  kind of the persistent upload's arrays on CPU (persistent_tier's test
+  kind of the persistent upload's arrays on CPU (upload_memory's test
   seam: "pinned_host" runs the accelerators' path)."""
   if args.get("upload_memory_kind"):
-    from emergency_ckpt.persistent import tier as persistent_tier  # noqa: PLC0415
+    from emergency_ckpt.persistent import upload_memory  # noqa: PLC0415
 
-    persistent_tier.CPU_UPLOAD_MEMORY_KIND = args["upload_memory_kind"]
+    upload_memory.CPU_UPLOAD_MEMORY_KIND = args["upload_memory_kind"]
   if args.get("orbax_distributed_ids"):
     from absl import flags  # noqa: PLC0415
     from orbax.checkpoint._src.multihost import multihost  # noqa: F401, PLC0415 - defines it

@@ -19,6 +19,7 @@ import pytest
 from emergency_ckpt import cli
 from emergency_ckpt.core import layout
 from emergency_ckpt.core.telemetry import EventLog
+from emergency_ckpt.local import folders
 from emergency_ckpt.local import format as local_format
 from emergency_ckpt.state.store import StateStore
 
@@ -429,18 +430,18 @@ def test_folder_commands_import_neither_jax_nor_orbax(tmp_path, argv):
     assert "SHARDS is missing" in proc.stdout, proc.stdout[-3000:]
   if argv[0] == "gc":
     proc_dir = layout.process_dir(str(root), RUN, 0)
-    assert layout.list_local_steps(proc_dir) == [30] and tensor_steps(pers) == [30]
+    assert folders.list_local_steps(proc_dir) == [30] and tensor_steps(pers) == [30]
 
 
 def test_delete_step_dir(tmp_path):
   d = local_step(tmp_path, 10)
-  layout.delete_local_step_dir(d)
+  folders.delete_local_step_dir(d)
   assert os.listdir(os.path.dirname(d)) == []
-  layout.delete_local_step_dir(d)  # absent: no-op
+  folders.delete_local_step_dir(d)  # absent: no-op
   target = local_step(tmp_path, 20, process=1)
   link = os.path.join(os.path.dirname(d), "step_30")
   os.symlink(target, link)
-  layout.delete_local_step_dir(link)  # the link goes, never its target
+  folders.delete_local_step_dir(link)  # the link goes, never its target
   assert os.listdir(os.path.dirname(d)) == [] and os.path.isdir(target)
 
 

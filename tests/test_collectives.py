@@ -10,7 +10,8 @@ import socket
 import pytest
 
 from benchmarks.scale_exchange import CountingClient as Counting
-from emergency_ckpt.cluster.topology import Collectives, Topology
+from emergency_ckpt.cluster.collectives import Collectives
+from emergency_ckpt.cluster.topology import Topology
 from emergency_ckpt.errors import CollectiveTimeoutError
 
 
@@ -328,13 +329,13 @@ def test_a_new_client_starts_its_own_sequence():
   was freed may get its id(); it must still start at 0, or its process
   would wait under other keys than the rest (seen: a fixture's fresh
   clients timing out in a full suite run)."""
-  from emergency_ckpt.cluster import topology  # noqa: PLC0415
+  from emergency_ckpt.cluster import rendezvous  # noqa: PLC0415
 
   class Client:
     pass
 
   for _ in range(200):
-    assert topology._next_key("seq-test", "x", Client()).endswith("/x/0")
+    assert rendezvous._next_key("seq-test", "x", Client()).endswith("/x/0")
 
 
 def test_the_primarys_key_deletions_never_hold_up_its_next_exchange(job):

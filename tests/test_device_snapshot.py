@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 import emergency_ckpt as ec
 from emergency_ckpt.core import shards as shards_lib
+from emergency_ckpt.runtime import device_copy as device_copy_lib
 
 
 def _device_options(options, **local):
@@ -47,17 +48,17 @@ def _same(restored: dict, want: dict) -> bool:
 
 
 def _hold(monkeypatch, name: str) -> tuple[threading.Event, threading.Event]:
-  """Holds every call of shards_lib.<name> until `gate` is set; `started`
+  """Holds every call of device_copy_lib.<name> until `gate` is set; `started`
   is set when one arrives."""
   gate, started = threading.Event(), threading.Event()
-  real = getattr(shards_lib, name)
+  real = getattr(device_copy_lib, name)
 
   def held(*args):
     started.set()
     assert gate.wait(30)
     return real(*args)
 
-  monkeypatch.setattr(shards_lib, name, held)
+  monkeypatch.setattr(device_copy_lib, name, held)
   return gate, started
 
 
@@ -65,8 +66,8 @@ def test_device_copies_are_new_buffers_with_the_same_bytes(mesh):
   state = _state(mesh, 3.0)
   paths, leaves, _ = shards_lib.leaf_paths(state)
   layout = shards_lib.layout_for(paths, leaves)
-  originals = shards_lib.slot_shards(leaves, layout)
-  copies = shards_lib.device_copies(originals)
+  originals = device_copy_lib.slot_shards(leaves, layout)
+  copies = device_copy_lib.device_copies(originals)
   for got, orig in zip(copies, originals):
     assert len(got) == len(orig)
     for c, o in zip(got, orig):
@@ -107,7 +108,7 @@ def test_save_returns_before_the_host_copy_and_the_donated_state_is_what_lands(
 def test_a_failed_host_copy_fails_that_local_save_only(options, mesh, monkeypatch, caplog):
   """The background device-to-host copy of step 2 fails: its local save is
   discarded (logged, never committed locally), step 6 saves as usual."""
-  fill = shards_lib.fill
+  fill = device_copy_lib.fill
   calls = []
 
   def failing_once(*args):
@@ -116,7 +117,7 @@ def test_a_failed_host_copy_fails_that_local_save_only(options, mesh, monkeypatc
       raise RuntimeError("injected transfer failure")
     return fill(*args)
 
-  monkeypatch.setattr(shards_lib, "fill", failing_once)
+  monkeypatch.setattr(device_copy_lib, "fill", failing_once)
   with ec.CheckpointManager(_device_options(options), mesh=mesh) as mngr:
     with caplog.at_level(logging.WARNING, logger="emergency_ckpt"):
       assert mngr.save(2, _state(mesh, 2.0))
@@ -136,7 +137,7 @@ def test_no_device_memory_for_the_copy_stages_on_the_host(options, mesh, monkeyp
   def no_memory(*args):
     raise RuntimeError("RESOURCE_EXHAUSTED: out of memory allocating 1 bytes")
 
-  monkeypatch.setattr(shards_lib, "device_copies", no_memory)
+  monkeypatch.setattr(device_copy_lib, "device_copies", no_memory)
   state = _state(mesh, 5.0)
   with ec.CheckpointManager(_device_options(options), mesh=mesh) as mngr:
     with caplog.at_level(logging.WARNING, logger="emergency_ckpt"):
@@ -170,7 +171,7 @@ def test_host_snapshot_from_an_accelerator_copies_into_the_buffer_in_the_backgro
   would be a view of the arrays, so the real code copies inline there):
   save() blocks on the device-to-host copy only; the copy into the staging
   buffer runs after it returns, and the step lands bit-exact."""
-  monkeypatch.setattr(shards_lib, "off_host", lambda shards: True)
+  monkeypatch.setattr(device_copy_lib, "off_host", lambda shards: True)
   gate, started = _hold(monkeypatch, "copy_into")
   state = _state(mesh, 7.0)
   want = _host(state)
@@ -188,13 +189,13 @@ def test_cpu_shards_are_copied_inside_save(options, mesh, monkeypatch):
   save() returns (the trainer may donate them), so nothing is left to the
   background."""
   threads = []
-  copy_into = shards_lib.copy_into
+  copy_into = device_copy_lib.copy_into
 
   def spy(*args):
     threads.append(threading.current_thread())
     return copy_into(*args)
 
-  monkeypatch.setattr(shards_lib, "copy_into", spy)
+  monkeypatch.setattr(device_copy_lib, "copy_into", spy)
   state = _state(mesh, 8.0)
   with ec.CheckpointManager(options, mesh=mesh) as mngr:
     assert mngr.save(2, state)

@@ -14,7 +14,7 @@ import pytest
 
 import emergency_ckpt as ec
 from emergency_ckpt.core import failpoints
-from emergency_ckpt.local import tier as local_tier
+from emergency_ckpt.local import owner as local_owner
 from tests.fault_matrix import excerpt
 from tests.helpers import abstract as _abstract
 from tests.single_slice import state as _state
@@ -187,10 +187,10 @@ def test_foreign_owner_refused_with_fake_stat(shm_dir, monkeypatch, fault_matrix
     fields[stat.ST_UID] = os.geteuid() + 4242
     return os.stat_result(fields)
 
-  monkeypatch.setattr(local_tier.os, "lstat", fake_lstat)
+  monkeypatch.setattr(local_owner.os, "lstat", fake_lstat)
   ok, text = _raises(
     ec.UnsafeDirectoryError,
-    lambda: local_tier.secure_makedirs(path),
+    lambda: local_owner.secure_makedirs(path),
     f"uid {os.geteuid() + 4242}",
     path,
   )
@@ -219,13 +219,13 @@ def test_shared_sticky_root_is_accepted(shm_dir, mesh, fault_matrix):
   link = os.path.join(shm_dir, "link")
   os.symlink(root, link)
   refused_link, text_link = _raises(
-    ec.UnsafeDirectoryError, lambda: local_tier.secure_makedirs(link, shared_ok=True), "symlink"
+    ec.UnsafeDirectoryError, lambda: local_owner.secure_makedirs(link, shared_ok=True), "symlink"
   )
   plain = os.path.join(shm_dir, "open")
   os.mkdir(plain)
   os.chmod(plain, 0o777)  # world-writable without the sticky bit
   refused_open, text_open = _raises(
-    ec.UnsafeDirectoryError, lambda: local_tier.secure_makedirs(plain, shared_ok=True), "0o777"
+    ec.UnsafeDirectoryError, lambda: local_owner.secure_makedirs(plain, shared_ok=True), "0o777"
   )
   theirs = os.path.join(shm_dir, "theirs")  # sticky, but another user's: they could swap ours
   os.mkdir(theirs)
@@ -241,9 +241,9 @@ def test_shared_sticky_root_is_accepted(shm_dir, mesh, fault_matrix):
     return os.stat_result(fields)
 
   with pytest.MonkeyPatch.context() as mp:
-    mp.setattr(local_tier.os, "lstat", fake_lstat)
+    mp.setattr(local_owner.os, "lstat", fake_lstat)
     refused_theirs, text_theirs = _raises(
-      ec.UnsafeDirectoryError, lambda: local_tier.secure_makedirs(theirs, shared_ok=True), "4242"
+      ec.UnsafeDirectoryError, lambda: local_owner.secure_makedirs(theirs, shared_ok=True), "4242"
     )
   ok = restored == 1 and modes[1:] == ["0o700", "0o700"]
   ok = ok and refused_link and refused_open and refused_theirs

@@ -18,8 +18,9 @@ import urllib.request
 import pytest
 from etils import epath
 
-from emergency_ckpt.core import storage
-from emergency_ckpt.core.storage import RetryPolicy, StorageNotFoundError
+from emergency_ckpt.core import gcs_retry, storage
+from emergency_ckpt.core.gcs_retry import RetryPolicy
+from emergency_ckpt.core.storage import StorageNotFoundError
 from emergency_ckpt.demo.launcher import run_job
 from emergency_ckpt.errors import StorageError
 from tests.harness.gcs_proxy import ENV_VAR
@@ -185,7 +186,7 @@ def test_lost_delete_answer_breaks_plain_unlink_not_ours(via_proxy, gcs_server, 
 
 def test_outer_retry_after_gcsfs_gives_up(via_proxy, gcs_server, gcs_bucket, gcsfs_sleeps, caplog):
   """Seven 503s in a row: gcsfs gives up after its 6th attempt (5 sleeps);
-  storage.retrying logs a WARNING naming bucket and operation and tries
+  gcs_retry.retrying logs a WARNING naming bucket and operation and tries
   again, which succeeds."""
   proxy = via_proxy
   rule = proxy.fail(times=7, status=503, method="POST", client=GCSFS)
@@ -241,12 +242,12 @@ def test_retrying_policy_and_classification(monkeypatch, caplog):
   from gcsfs.retry import HttpError  # noqa: PLC0415
 
   slept = []
-  monkeypatch.setattr(storage.time, "sleep", slept.append)
+  monkeypatch.setattr(gcs_retry.time, "sleep", slept.append)
   policy = RetryPolicy(attempts=4, initial_delay_s=1.0, max_delay_s=3.0)
   path = "gs://bkt/run/x"
   flaky = _Flaky(HttpError({"code": 503}), ConnectionResetError(), TimeoutError())
   with caplog.at_level(logging.WARNING, logger="emergency_ckpt"):
-    assert storage.retrying(flaky, what="writing", path=path, policy=policy) == "ok"
+    assert gcs_retry.retrying(flaky, what="writing", path=path, policy=policy) == "ok"
   assert flaky.calls == 4
   assert 0.5 <= slept[0] <= 1 and 1 <= slept[1] <= 2 and 1.5 <= slept[2] <= 3, slept
   logged = [r.getMessage() for r in caplog.records if r.name == "emergency_ckpt"]
@@ -255,22 +256,22 @@ def test_retrying_policy_and_classification(monkeypatch, caplog):
   for error in (HttpError({"code": 403, "message": "no"}), OSError("Forbidden: x"), ValueError()):
     flaky = _Flaky(error)
     with pytest.raises(StorageError, match="bkt"):
-      storage.retrying(flaky, what="reading", path=path, policy=policy)
+      gcs_retry.retrying(flaky, what="reading", path=path, policy=policy)
     assert flaky.calls == 1
   flaky = _Flaky(TypeError("a bug"))
   with pytest.raises(TypeError):
-    storage.retrying(flaky, what="reading", path=path, policy=policy)
+    gcs_retry.retrying(flaky, what="reading", path=path, policy=policy)
   flaky = _Flaky(FileNotFoundError("gone"))
   with pytest.raises(StorageNotFoundError):
-    storage.retrying(flaky, what="reading", path=path, policy=policy)
+    gcs_retry.retrying(flaky, what="reading", path=path, policy=policy)
   flaky = _Flaky(*[HttpError({"code": 500})] * 5)
   with pytest.raises(StorageError, match="after 4 attempts"):
-    storage.retrying(flaky, what="writing", path=path, policy=policy)
+    gcs_retry.retrying(flaky, what="writing", path=path, policy=policy)
   assert flaky.calls == 4
   # Off GCS: once, errors unchanged.
   flaky = _Flaky(ConnectionResetError())
   with pytest.raises(ConnectionResetError):
-    storage.retrying(flaky, what="writing", path="/tmp/x", policy=policy)
+    gcs_retry.retrying(flaky, what="writing", path="/tmp/x", policy=policy)
   assert flaky.calls == 1
 
 
@@ -278,19 +279,19 @@ def test_retrying_deadline(monkeypatch):
   from gcsfs.retry import HttpError  # noqa: PLC0415
 
   clock = [0.0]
-  monkeypatch.setattr(storage.time, "monotonic", lambda: clock[0])
+  monkeypatch.setattr(gcs_retry.time, "monotonic", lambda: clock[0])
 
   def sleep(s):
     clock[0] += s
 
-  monkeypatch.setattr(storage.time, "sleep", sleep)
+  monkeypatch.setattr(gcs_retry.time, "sleep", sleep)
 
   def slow_failure():
     clock[0] += 70
     raise HttpError({"code": 503})
 
   with pytest.raises(StorageError, match="after 2 attempts"):
-    storage.retrying(
+    gcs_retry.retrying(
       slow_failure, what="x", path="gs://b/x", policy=RetryPolicy(attempts=9, deadline_s=120)
     )
 

@@ -10,6 +10,7 @@ import os
 import pytest
 
 from emergency_ckpt.core import layout
+from emergency_ckpt.local import folders
 from emergency_ckpt.persistent import layout as persistent_layout
 from emergency_ckpt.state.store import StateStore
 
@@ -136,7 +137,7 @@ def local_root(tmp_path):
 
 
 def test_walk_local_lists_steps_and_ignores_strays(local_root):
-  listing = layout.walk_local(local_root)
+  listing = folders.walk_local(local_root)
   assert [(p.run_id, p.process_index) for p in listing.processes] == [("run-a", 0), ("run-a", 1)]
   p0, p1 = listing.processes
   assert sorted(p0.steps) == [10, 20] and sorted(p1.steps) == [10]
@@ -160,42 +161,42 @@ def test_walk_local_lists_steps_and_ignores_strays(local_root):
 
 
 def test_list_local_steps_agrees_with_the_walker(local_root):
-  for proc in layout.walk_local(local_root).processes:
-    assert layout.list_local_steps(proc.path) == sorted(proc.steps)
-  assert layout.list_local_steps(os.path.join(local_root, "absent")) == []
+  for proc in folders.walk_local(local_root).processes:
+    assert folders.list_local_steps(proc.path) == sorted(proc.steps)
+  assert folders.list_local_steps(os.path.join(local_root, "absent")) == []
 
 
 @pytest.mark.parametrize("root", ["absent", "a-file"])
 def test_walk_local_of_nothing(tmp_path, root):
   (tmp_path / "a-file").write_text("x")
-  listing = layout.walk_local(str(tmp_path / root))
+  listing = folders.walk_local(str(tmp_path / root))
   assert listing.processes == () and listing.strays == ()
 
 
 def test_delete_local_step_dir(tmp_path):
   proc = str(tmp_path / "run" / "process_0")
   d = _step(proc, "step_10")
-  layout.delete_local_step_dir(d)
+  folders.delete_local_step_dir(d)
   assert os.listdir(proc) == []
-  layout.delete_local_step_dir(d)  # absent: no-op
+  folders.delete_local_step_dir(d)  # absent: no-op
   target = _step(str(tmp_path / "elsewhere"), "step_20")
   link = os.path.join(proc, "step_30")
   os.symlink(target, link)
-  layout.delete_local_step_dir(link)  # the link goes, never its target
+  folders.delete_local_step_dir(link)  # the link goes, never its target
   assert os.listdir(proc) == [] and os.path.isdir(target)
 
 
 def test_rename_out_of_namespace(tmp_path):
   proc = str(tmp_path / "run" / "process_0")
   d = _step(proc, "step_10")
-  doomed = layout.rename_out_of_namespace(d)
+  doomed = folders.rename_out_of_namespace(d)
   assert os.path.basename(doomed).startswith(".tmp-delete-step_10-")
-  assert layout.list_local_steps(proc) == []
-  (listed,) = layout.walk_local(str(tmp_path)).processes
+  assert folders.list_local_steps(proc) == []
+  (listed,) = folders.walk_local(str(tmp_path)).processes
   assert listed.steps == {} and listed.tmp == (doomed,)
-  layout.remove_renamed(doomed)
+  folders.remove_renamed(doomed)
   assert os.listdir(proc) == []
-  assert layout.rename_out_of_namespace(d) is None
+  assert folders.rename_out_of_namespace(d) is None
 
 
 # ---- the persistent root on a filesystem -------------------------------------------------
@@ -288,7 +289,7 @@ def test_gcs_listing_follows_orbaxs_commit_file_rule(gcs_bucket):
   for name in ("10", "20", "30", "007", "40"):
     storage.write_bytes(tensors / name / "default" / "data", b"x" * 10)
   assert persistent_layout.list_steps(tensors) == [10, 30, 40]
-  from emergency_ckpt.persistent.tier import _ocp  # noqa: PLC0415 - the reference rule
+  from emergency_ckpt.persistent.orbax_loader import orbax as _ocp  # noqa: PLC0415 - the reference rule
 
   assert sorted(_ocp().path.step.checkpoint_steps(tensors)) == [7, 10, 30, 40]  # "007" is 7 there
   assert persistent_layout.step_bytes(tensors, 10) == 12

@@ -35,12 +35,11 @@ from emergency_ckpt.core import shards as shards_lib  # noqa: E402
 from emergency_ckpt.demo.launcher import run_job  # noqa: E402
 from emergency_ckpt.errors import CorruptCheckpointError  # noqa: E402
 from emergency_ckpt.local import format as local_format  # noqa: E402
+from emergency_ckpt.local.checkpointer import LocalCheckpointer, LocalTemporaryPath  # noqa: E402
 from emergency_ckpt.local.handler import (  # noqa: E402
-  LocalCheckpointer,
   LocalShardsHandler,
   LocalShardsRestore,
   LocalShardsSave,
-  LocalTemporaryPath,
 )
 from emergency_ckpt.local.tier import LocalTier  # noqa: E402
 from emergency_ckpt.options import LocalTierOptions  # noqa: E402

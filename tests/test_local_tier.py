@@ -38,11 +38,14 @@ from emergency_ckpt.errors import (  # noqa: E402
   UnsafeDirectoryError,
 )
 from emergency_ckpt.local.format import decode_manifest, encode_manifest, map_file  # noqa: E402
-from emergency_ckpt.local.tier import LocalTier, secure_makedirs  # noqa: E402
+from emergency_ckpt.local.owner import secure_makedirs  # noqa: E402
+from emergency_ckpt.local.tier import LocalTier  # noqa: E402
 from emergency_ckpt.options import LocalTierOptions  # noqa: E402
-from emergency_ckpt.runtime import staging as staging_lib  # noqa: E402
+from emergency_ckpt.runtime import background as background_lib  # noqa: E402
+from emergency_ckpt.runtime import buffers as buffers_lib  # noqa: E402
 from emergency_ckpt.runtime.background import Background  # noqa: E402
-from emergency_ckpt.runtime.staging import BufferPool, StagingArea, aligned_empty  # noqa: E402
+from emergency_ckpt.runtime.buffers import BufferPool, aligned_empty  # noqa: E402
+from emergency_ckpt.runtime.staging import StagingArea  # noqa: E402
 from tests.helpers import abstract_of  # noqa: E402
 
 RUN_ID = "r"
@@ -854,7 +857,7 @@ def test_the_staging_buffer_is_prepared_at_the_lowest_cpu_priority(tier, state, 
   own thread keeps its priority."""
   before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
   nice = {}
-  real = staging_lib._fault_in
+  real = buffers_lib._fault_in
 
   def fault_in(buf):  # runs on the preparing thread
     nice[threading.current_thread().name] = os.getpriority(
@@ -862,13 +865,13 @@ def test_the_staging_buffer_is_prepared_at_the_lowest_cpu_priority(tier, state, 
     )
     real(buf)
 
-  monkeypatch.setattr(staging_lib, "_fault_in", fault_in)
+  monkeypatch.setattr(buffers_lib, "_fault_in", fault_in)
   paths, leaves, _ = shards_lib.leaf_paths(state)
   staging_of(tier).prepare(paths, leaves)
   staging_of(tier).wait_prepared()
   ((name, value),) = nice.items()
   assert name.startswith("ec-prepare"), name
-  assert value == staging_lib.BACKGROUND_NICE
+  assert value == background_lib.BACKGROUND_NICE
   assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
 
 
@@ -936,7 +939,7 @@ def test_a_save_during_prepare_takes_the_prepared_buffer(tier, mesh, monkeypatch
   big = {"x": jax.device_put(value, NamedSharding(mesh, P("data")))}
   paths, leaves, _ = shards_lib.leaf_paths(big)
   started, release, prepared = threading.Event(), threading.Event(), threading.Event()
-  real = staging_lib._fault_in
+  real = buffers_lib._fault_in
 
   def slow_fault_in(buf):
     started.set()
@@ -944,7 +947,7 @@ def test_a_save_during_prepare_takes_the_prepared_buffer(tier, mesh, monkeypatch
     real(buf)
     prepared.set()
 
-  monkeypatch.setattr(staging_lib, "_fault_in", slow_fault_in)
+  monkeypatch.setattr(buffers_lib, "_fault_in", slow_fault_in)
   reached = threading.Event()  # the save waits for a prepared buffer, or returned
   pool = staging_of(tier)._pool
 

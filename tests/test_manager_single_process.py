@@ -132,9 +132,9 @@ def test_background_work_waits_for_a_colocated_save(options, mesh, monkeypatch):
   import time  # noqa: PLC0415
   import types  # noqa: PLC0415
 
-  from emergency_ckpt import manager as manager_lib  # noqa: PLC0415
   from emergency_ckpt.cluster import colocated  # noqa: PLC0415
   from emergency_ckpt.cluster.colocated import StagingWindow  # noqa: PLC0415
+  from emergency_ckpt.manager import parts as manager_lib  # noqa: PLC0415
 
   job = f"test-job-{os.getpid()}"  # as if a process of a multi-process job
   monkeypatch.setattr(manager_lib, "job_key", lambda: job)
@@ -203,8 +203,8 @@ def test_back_to_back_saves_never_wait_out_the_staging_window(options, mesh, mon
   before it opens the staging window: its own background work (which waits
   for the window to close) is never what it waits for inside the window, so
   no wait for the window ends by its cap."""
-  from emergency_ckpt import manager as manager_lib  # noqa: PLC0415
   from emergency_ckpt.cluster import colocated  # noqa: PLC0415
+  from emergency_ckpt.manager import parts as manager_lib  # noqa: PLC0415
 
   monkeypatch.setattr(manager_lib, "job_key", lambda: f"test-job-{os.getpid()}")
   waits = []

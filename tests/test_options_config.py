@@ -11,12 +11,12 @@ import pytest
 from emergency_ckpt.config import apply_overrides, field_docs, load_config, options_from_dict
 from emergency_ckpt.errors import ConfigError, InvalidOptionsError
 from emergency_ckpt.options import (
-  _RUN_ID_RE,
   CheckpointManagerOptions,
   LocalTierOptions,
   PeerOptions,
   PersistentTierOptions,
 )
+from emergency_ckpt.options.checks import RUN_ID_RE as _RUN_ID_RE
 
 LOCAL = LocalTierOptions(directory="/dev/shm/ckpt")
 PERSISTENT = PersistentTierOptions(directory="gs://bucket/run")

@@ -14,7 +14,7 @@ import pytest
 from emergency_ckpt.core import shards as shards_lib
 from emergency_ckpt.errors import CorruptCheckpointError, PeerTransferError
 from emergency_ckpt.local.format import LocalStep, shard_checksum
-from emergency_ckpt.transport import routing
+from emergency_ckpt.transport import protocol, routing
 from emergency_ckpt.transport import stream as peer_stream
 
 
@@ -133,7 +133,7 @@ def test_pull_receives_every_shard_bit_exactly(served):
 
 def test_a_client_without_the_token_gets_nothing(served):
   server, paths, arrays = served
-  offer = dict(server.offer(), token="00" * peer_stream.TOKEN_BYTES)
+  offer = dict(server.offer(), token="00" * protocol.TOKEN_BYTES)
   items, nbytes = _items(arrays)
   with pytest.raises(ConnectionError):
     peer_stream.pull(offer, 0, 7, items, paths, np.zeros(nbytes, np.uint8), timeout_s=10)
@@ -225,8 +225,8 @@ def test_peer_host_unresolvable_coordinator_is_none(coordinator, caplog):
 def test_a_malformed_request_is_refused_without_killing_the_server(served):
   server, paths, arrays = served
   with socket.create_connection((server.host, server.port), timeout=5) as raw:
-    raw.sendall(peer_stream.MAGIC + bytes.fromhex(server.offer()["token"]))
-    peer_stream._send_json(raw, {"step": 7, "shards": [[0]]})  # not [leaf, path, index]
+    raw.sendall(protocol.MAGIC + bytes.fromhex(server.offer()["token"]))
+    protocol.send_json(raw, {"step": 7, "shards": [[0]]})  # not [leaf, path, index]
     try:
       got = raw.recv(1 << 16)
     except ConnectionResetError:
@@ -350,7 +350,7 @@ def _boxes(server, request: list) -> tuple[dict, list[bytes]]:
     got = []
     for record in records:
       buf = np.empty(record["nbytes"], np.uint8)
-      peer_stream.recv_into(sock, buf)
+      protocol.recv_into(sock, buf)
       got.append((record, buf.tobytes()))
   return got
 
@@ -383,7 +383,7 @@ def test_an_unverified_shard_is_checked_before_a_part_is_cut_and_sent_whole_as_r
     server.close()
 
 
-class _Mute(peer_stream.Listener):
+class _Mute(protocol.Listener):
   """A listener that takes a connection (token checked) and then neither
   reads nor answers until released."""
 
@@ -408,7 +408,7 @@ def test_a_peer_that_stops_answering_raises_timeout_not_a_hang(tmp_path):
       with peer_stream.request(mute.offer(), 0, 7, [], timeout_s=0.3):
         pass
     with pytest.raises(TimeoutError, match="within the timeout"):
-      peer_stream.send_file(mute.offer(), {}, str(big), 0, 64 << 20, timeout_s=0.3)
+      protocol.send_file(mute.offer(), {}, str(big), 0, 64 << 20, timeout_s=0.3)
   finally:
     mute.release.set()
     mute.close()

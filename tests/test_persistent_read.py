@@ -26,7 +26,8 @@ from emergency_ckpt.core import shards  # noqa: E402
 from emergency_ckpt.errors import CorruptCheckpointError, StateMismatchError  # noqa: E402
 from emergency_ckpt.persistent import checksums  # noqa: E402
 from emergency_ckpt.persistent import read as persistent_read  # noqa: E402
-from emergency_ckpt.persistent.tier import _ocp  # noqa: E402
+from emergency_ckpt.persistent.orbax_loader import orbax as _ocp  # noqa: E402
+from emergency_ckpt.state import shard_records  # noqa: E402
 from tests.helpers import abstract_of as _abstract  # noqa: E402
 
 
@@ -76,13 +77,13 @@ def _saved(tmp_path, layout: str):
   return state, _save(str(tmp_path / "item"), state, **LAYOUTS[layout])
 
 
-def _expected(state, step: int = 0) -> checksums.Expected:
+def _expected(state, step: int = 0) -> shard_records.Expected:
   """The shard checksums a primary-slice process (process 0: it holds every
   shard) records for `state` at a persistent step (checksums.py)."""
   paths, leaves, _ = shards.leaf_paths(state)
   abstract = jax.tree_util.tree_leaves(_abstract(state))
   doc = checksums.shard_table(step, paths, abstract, [0])
-  table = checksums.parse_table(doc, step, "test")
+  table = shard_records.parse_table(doc, step, "test")
   crcs = {}
   for path, leaf in zip(paths, leaves):
     host = np.asarray(leaf)
@@ -93,8 +94,8 @@ def _expected(state, step: int = 0) -> checksums.Expected:
       ]
       for s in table.shards[path]
     ]
-  parsed = checksums.parse_crcs(crcs, "test")
-  return checksums.Expected(step, table, lambda procs: {p: parsed for p in procs}, "test")
+  parsed = shard_records.parse_crcs(crcs, "test")
+  return shard_records.Expected(step, table, lambda procs: {p: parsed for p in procs}, "test")
 
 
 def _sl(index) -> tuple:
@@ -263,7 +264,7 @@ def test_a_leaf_without_recorded_checksums_is_not_read(tmp_path):
   )
   with pytest.raises(CorruptCheckpointError, match="i8.*cannot be verified"):
     persistent_read.read(item, _abstract(state), _ocp(), expected)
-  crcs_less = checksums.Expected(
+  crcs_less = shard_records.Expected(
     0, _expected(state)._table, lambda procs: {p: {} for p in procs}, "t"
   )
   with pytest.raises(CorruptCheckpointError, match="no CRC32C recorded"):
@@ -277,13 +278,13 @@ def test_the_shard_table_is_checked_and_deduplicated():
   doc = checksums.shard_table(5, paths, abstract, [0])
   twice = checksums.shard_table(5, ["a", "b"], [abstract[2], abstract[2]], [0])
   assert len(twice["layouts"]) == 1 and twice["leaves"] == {"a": 0, "b": 0}  # shared
-  table = checksums.parse_table(doc, 5, "SHARDS")
+  table = shard_records.parse_table(doc, 5, "SHARDS")
   assert [s.index for s in table.shards["['params']['f32']"]] == [
     ((0, 2), (0, 2)),
     ((2, 4), (0, 2)),
   ]
   with pytest.raises(CorruptCheckpointError, match="not this|checksum"):
-    checksums.parse_table(doc, 6, "SHARDS")
+    shard_records.parse_table(doc, 6, "SHARDS")
   edited = dict(doc, leaves={**doc["leaves"], "['i8']": 3})
   with pytest.raises(CorruptCheckpointError, match="checksum"):
-    checksums.parse_table(edited, 5, "SHARDS")
+    shard_records.parse_table(edited, 5, "SHARDS")

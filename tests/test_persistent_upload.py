@@ -1,10 +1,10 @@
-"""Where the persistent upload's arrays come from (persistent_tier.upload_memory_kind):
+"""Where the persistent upload's arrays come from (upload_memory.upload_memory_kind):
 on CPU, arrays aliasing the staged snapshot; on accelerators with pinned host
 memory, arrays in that memory built from the snapshot, so Orbax's
 device-to-host copy never touches the device (save() then stalls for the
 staging alone); elsewhere, Orbax copying from the device inline. The
 accelerators' path runs here on CPU devices (they have pinned host memory
-too), forced by persistent_tier.CPU_UPLOAD_MEMORY_KIND."""
+too), forced by upload_memory.CPU_UPLOAD_MEMORY_KIND."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 import emergency_ckpt as ec
 from emergency_ckpt.core import layout
 from emergency_ckpt.persistent import tier as persistent_tier
+from emergency_ckpt.persistent import upload_memory
 
 
 class _Memory:
@@ -40,21 +41,21 @@ class _Device:
 
 
 def test_cpu_uploads_alias_the_snapshot_and_accelerators_use_pinned_host(monkeypatch):
-  assert persistent_tier.upload_memory_kind(jax.local_devices()) == (True, None)
-  monkeypatch.setattr(persistent_tier, "CPU_UPLOAD_MEMORY_KIND", "pinned_host")
-  assert persistent_tier.upload_memory_kind(jax.local_devices()) == (True, "pinned_host")
+  assert upload_memory.upload_memory_kind(jax.local_devices()) == (True, None)
+  monkeypatch.setattr(upload_memory, "CPU_UPLOAD_MEMORY_KIND", "pinned_host")
+  assert upload_memory.upload_memory_kind(jax.local_devices()) == (True, "pinned_host")
   # a device without pinned host memory: Orbax copies inline
-  assert persistent_tier.upload_memory_kind([_Device("device")]) == (False, None)
-  assert persistent_tier.upload_memory_kind([]) == (False, None)
+  assert upload_memory.upload_memory_kind([_Device("device")]) == (False, None)
+  assert upload_memory.upload_memory_kind([]) == (False, None)
 
 
 def test_a_failing_probe_transfer_falls_back_to_the_inline_copy(monkeypatch, caplog):
   def refuse(*args, **kwargs):
     raise RuntimeError("no pinned memory today")
 
-  monkeypatch.setattr(persistent_tier, "CPU_UPLOAD_MEMORY_KIND", "pinned_host")
+  monkeypatch.setattr(upload_memory, "CPU_UPLOAD_MEMORY_KIND", "pinned_host")
   monkeypatch.setattr(jax, "device_put", refuse)
-  got = persistent_tier.upload_memory_kind(jax.local_devices())
+  got = upload_memory.upload_memory_kind(jax.local_devices())
   assert got == (False, None)
   assert "no pinned memory today" in caplog.text and "inside save()" in caplog.text
 
@@ -65,7 +66,7 @@ def test_the_upload_hands_orbax_the_snapshot_in_its_memory_kind(options, mesh, m
   time, although the trainer donates its arrays right after save(); the
   step restores bit-exactly through the manager and through plain Orbax,
   onto the devices' default memory. Orbax is never called inline."""
-  monkeypatch.setattr(persistent_tier, "CPU_UPLOAD_MEMORY_KIND", kind)
+  monkeypatch.setattr(upload_memory, "CPU_UPLOAD_MEMORY_KIND", kind)
   seen, inline = [], []
   start = persistent_tier.PersistentTier._start  # noqa: SLF001
 

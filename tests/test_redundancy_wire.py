@@ -14,9 +14,10 @@ import pytest
 
 from emergency_ckpt.core import parity as xor_parity
 from emergency_ckpt.errors import PeerTransferError
+from emergency_ckpt.local import blocks as local_blocks
 from emergency_ckpt.local import format as local_format
 from emergency_ckpt.local import read as local_read
-from emergency_ckpt.redundancy import partner, xor
+from emergency_ckpt.redundancy import partner, xor, xor_wire
 
 MIB = 1 << 20
 
@@ -68,7 +69,7 @@ def test_partner_send_of_a_large_step(tmp_path):
     assert partner.send(receiver.offer(), 1, where, timeout_s=30) == len(data)
   finally:
     receiver.close()
-  kept = os.path.join(partner.partner_dir(str(tmp_path / "partner_host"), 3), "step_7")
+  kept = os.path.join(local_blocks.partner_dir(str(tmp_path / "partner_host"), 3), "step_7")
   got = local_read.read_step(kept)  # every shard verified
   assert got.arrays[0][((0, len(data) // 4),)].tobytes() == data
 
@@ -79,7 +80,7 @@ def test_partner_steps_are_written_over_the_spare_and_checked_on_arrival(tmp_pat
   and leaves nothing behind."""
   host = str(tmp_path / "partner_host")
   receiver = partner.Receiver(host, "127.0.0.1", keep=2, timeout_s=30, log_prefix="[t]")
-  kept = partner.partner_dir(host, 3)
+  kept = local_blocks.partner_dir(host, 3)
   sent = {}
   try:
     for step in range(1, 6):
@@ -115,7 +116,7 @@ def test_a_partner_copy_a_restore_mapped_is_never_written_over(tmp_path):
       partner.send(receiver.offer(), 1, where, timeout_s=30)
   finally:
     receiver.close()
-  assert sorted(os.listdir(partner.partner_dir(host, 3))) == ["step_3"]
+  assert sorted(os.listdir(local_blocks.partner_dir(host, 3))) == ["step_3"]
 
 
 def _range_servers(data: list[bytes], blocks: dict, members: list[int]) -> dict:
@@ -138,7 +139,7 @@ def test_xor_send_and_rebuild_of_large_steps(tmp_path, k):
   steps = [_step(str(tmp_path / f"host_{i}"), i, n, i) for i, n in enumerate(sizes)]
   group = list(range(k))
   receivers = [
-    xor.ParityReceiver(
+    xor_wire.ParityReceiver(
       os.path.dirname(steps[i][0]),
       "127.0.0.1",
       member=i,
@@ -162,11 +163,11 @@ def test_xor_send_and_rebuild_of_large_steps(tmp_path, k):
   data = [d for _, d in steps]
   blocks = {}
   for j in group:
-    folder = os.path.join(xor.xor_dir(os.path.dirname(steps[j][0])), "step_7")
-    with open(os.path.join(folder, xor.PARITY_FILE), "rb") as f:
+    folder = os.path.join(local_blocks.xor_dir(os.path.dirname(steps[j][0])), "step_7")
+    with open(os.path.join(folder, local_blocks.PARITY_FILE), "rb") as f:
       blocks[j] = np.frombuffer(f.read(), np.uint8)
     assert blocks[j].tobytes() == xor_parity.parity(j, data).tobytes()
-    body = xor.read_group(folder)
+    body = local_blocks.read_group(folder)
     assert body["parity_crc32c"] == crc32c.crc32c(blocks[j])
   for lost in group:  # each member rebuilt from the others' data and blocks
     servers = _range_servers(data, blocks, [i for i in group if i != lost])
@@ -257,7 +258,7 @@ def test_xor_rebuild_refuses_bytes_damaged_on_the_wire(tmp_path, monkeypatch):
 
 def _xor_group(tmp_path, k: int, keep: int, mapped=None) -> list:
   return [
-    xor.ParityReceiver(
+    xor_wire.ParityReceiver(
       str(tmp_path / f"host_{i}" / f"process_{i}"),
       "127.0.0.1",
       member=i,
@@ -291,15 +292,15 @@ def _send_step(tmp_path, receivers, step: int, sizes: list[int]) -> list[bytes]:
 
 def _block(tmp_path, member: int, step: int) -> tuple[bytes, int, dict]:
   folder = os.path.join(
-    xor.xor_dir(str(tmp_path / f"host_{member}" / f"process_{member}")), f"step_{step}"
+    local_blocks.xor_dir(str(tmp_path / f"host_{member}" / f"process_{member}")), f"step_{step}"
   )
-  path = os.path.join(folder, xor.PARITY_FILE)
+  path = os.path.join(folder, local_blocks.PARITY_FILE)
   with open(path, "rb") as f:
-    return f.read(), os.stat(path).st_ino, xor.read_group(folder)
+    return f.read(), os.stat(path).st_ino, local_blocks.read_group(folder)
 
 
 def _spares(tmp_path, member: int) -> list[str]:
-  root = xor.xor_dir(str(tmp_path / f"host_{member}" / f"process_{member}"))
+  root = local_blocks.xor_dir(str(tmp_path / f"host_{member}" / f"process_{member}"))
   return [n for n in os.listdir(root) if n.startswith(".tmp-spare-")]
 
 
@@ -347,7 +348,7 @@ def test_xor_blocks_are_written_into_the_retired_block(tmp_path):
     # step 1 retired after step 3 stored: step 4 is written into its file,
     # step 5 into step 2's, step 6 into step 3's
     assert [inodes[(s, j)] for s in (4, 5, 6)] == [inodes[(s, j)] for s in (1, 2, 3)], j
-    root = xor.xor_dir(str(tmp_path / f"host_{j}" / f"process_{j}"))
+    root = local_blocks.xor_dir(str(tmp_path / f"host_{j}" / f"process_{j}"))
     steps = sorted(n for n in os.listdir(root) if n.startswith("step_"))
     assert steps == ["step_5", "step_6"]
     assert [
@@ -365,8 +366,8 @@ def test_a_parity_block_a_restore_mapped_is_never_recycled(tmp_path):
   try:
     data = _send_step(tmp_path, receivers, 1, [MIB, MIB])
     for j in range(k):
-      root = xor.xor_dir(str(tmp_path / f"host_{j}" / f"process_{j}"))
-      held[j] = open(os.path.join(root, "step_1", xor.PARITY_FILE), "rb")  # noqa: SIM115
+      root = local_blocks.xor_dir(str(tmp_path / f"host_{j}" / f"process_{j}"))
+      held[j] = open(os.path.join(root, "step_1", local_blocks.PARITY_FILE), "rb")  # noqa: SIM115
     for step in (2, 3, 4):
       _send_step(tmp_path, receivers, step, [MIB, MIB])
   finally:
@@ -395,10 +396,10 @@ def test_a_torn_chunk_leaves_no_block_and_the_step_can_be_sent_again(tmp_path):
       "length": 2 * MIB,
     }
     with pytest.raises(OSError):
-      from emergency_ckpt.transport import stream  # noqa: PLC0415
+      from emergency_ckpt.transport import protocol  # noqa: PLC0415
 
-      stream.send_file(receivers[0].offer(), header, short, 0, 2 * MIB, timeout_s=30)
-    root = xor.xor_dir(str(tmp_path / "host_0" / "process_0"))
+      protocol.send_file(receivers[0].offer(), header, short, 0, 2 * MIB, timeout_s=30)
+    root = local_blocks.xor_dir(str(tmp_path / "host_0" / "process_0"))
     _wait_for(  # made for the chunk, then removed with it
       lambda: os.path.isdir(root) and not os.listdir(root) and not receivers[0]._pending,  # noqa: SLF001
       "the torn block's folder is gone",
@@ -413,10 +414,10 @@ def test_a_torn_chunk_leaves_no_block_and_the_step_can_be_sent_again(tmp_path):
 def test_a_parity_receiver_removes_what_a_crashed_one_left(tmp_path):
   """Blocks being received, spares and deletions (`.tmp-*`) of a crashed
   incarnation go when the next receiver starts; stored steps stay."""
-  root = xor.xor_dir(str(tmp_path / "host_0" / "process_0"))
+  root = local_blocks.xor_dir(str(tmp_path / "host_0" / "process_0"))
   for name in ("step_3", ".tmp-step_4-abcd", ".tmp-spare-0123", ".tmp-delete-step_2-ff"):
     os.makedirs(os.path.join(root, name))
-    with open(os.path.join(root, name, xor.PARITY_FILE), "wb") as f:
+    with open(os.path.join(root, name, local_blocks.PARITY_FILE), "wb") as f:
       f.write(b"x")
   (receiver,) = _xor_group(tmp_path, 1, keep=2)
   receiver.close()
@@ -529,7 +530,7 @@ def test_a_member_whose_write_failed_drops_the_step_at_once(tmp_path):
       assert isinstance(r, PeerTransferError), (i, r)
     assert "No space left on device" in str(got[0])
     for j in (0, 2):  # member 1's chunk reached these
-      root = xor.xor_dir(str(tmp_path / f"host_{j}" / f"process_{j}"))
+      root = local_blocks.xor_dir(str(tmp_path / f"host_{j}" / f"process_{j}"))
       _wait_for(
         lambda root=root: not any(n.startswith(("step_", ".tmp-step")) for n in os.listdir(root)),
         f"member {j}: no block",
@@ -568,7 +569,7 @@ def test_every_chunk_is_sent_when_one_member_fails_at_once(monkeypatch):
     return {"error": "member 1 did not write step 6"}
 
   with pytest.raises(OSError, match="member 0 refused"):
-    xor._send_chunks(offers, [10, 11, 12], 1, 6, 64, send_one)  # noqa: SLF001
+    xor_wire.send_chunks(offers, [10, 11, 12], 1, 6, 64, send_one)
   assert asked == [10, 12]
 
 
@@ -654,7 +655,7 @@ def test_a_partner_copy_goes_from_memory_while_the_step_is_written(tmp_path):
 
   host = str(tmp_path / "partner_host")
   receiver = partner.Receiver(host, "127.0.0.1", keep=2, timeout_s=30, log_prefix="[t]")
-  kept = partner.partner_dir(host, 3)
+  kept = local_blocks.partner_dir(host, 3)
   try:
     where, data = _step(str(tmp_path / "s"), 3, 6 * MIB, 1, 7)
     with open(os.path.join(where, local_format.MANIFEST), "rb") as f:

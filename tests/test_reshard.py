@@ -11,14 +11,15 @@ import pytest
 from emergency_ckpt.core import reshard
 from emergency_ckpt.core import shards as shards_lib
 from emergency_ckpt.restore import plan as restore_plan
+from emergency_ckpt.restore import summary as restore_summary
 
 
 def test_block_index_follows_the_spec_first_axis_slowest():
   sizes = {"a": 2, "b": 3, "data": 4}
-  assert reshard.block_index((8, 16), [None, ["data"]], sizes, {"data": 1}) == ((0, 8), (4, 8))
-  assert reshard.block_index((12,), [["a", "b"]], sizes, {"a": 1, "b": 2}) == ((10, 12),)
-  assert reshard.block_index((), [], sizes, {}) == ()
-  assert reshard.block_index((10,), [["data"]], sizes, {"data": 0}) is None  # uneven
+  assert shards_lib.block_index((8, 16), [None, ["data"]], sizes, {"data": 1}) == ((0, 8), (4, 8))
+  assert shards_lib.block_index((12,), [["a", "b"]], sizes, {"a": 1, "b": 2}) == ((10, 12),)
+  assert shards_lib.block_index((), [], sizes, {}) == ()
+  assert shards_lib.block_index((10,), [["data"]], sizes, {"data": 0}) is None  # uneven
 
 
 def test_recorded_spec_matches_what_jax_places(mesh):
@@ -116,8 +117,8 @@ def test_covered_names_a_gap():
   assert gap and "w" in gap and "0 of 32" in gap
 
 
-def _inv(process, slice_, copies) -> restore_plan.Inventory:
-  return restore_plan.Inventory(
+def _inv(process, slice_, copies) -> restore_summary.Inventory:
+  return restore_summary.Inventory(
     process=process,
     slice=slice_,
     local_steps=(),
@@ -132,7 +133,7 @@ def test_a_step_whose_saved_slice_is_complete_somewhere_is_a_reshard_candidate()
   copies = {p: {5: [["t", p, p // 2, p % 2, 2]]} for p in range(4)}
   invs = [_inv(p, p // 4, copies.get(p, {})) for p in range(8)]
   slices = [[0, 1, 2, 3], [4, 5, 6, 7]]
-  job = restore_plan.summarize(invs, slices)
+  job = restore_summary.summarize(invs, slices)
   assert job.reshard[5]["topology"] == "t" and job.reshard[5]["slices"] == [0, 1]
   assert job.reshard[5]["partner_only"] == {} == job.reshard[5]["parity_only"]
   cands = restore_plan.candidates(job)
@@ -155,7 +156,7 @@ def test_a_step_whose_saved_slice_is_complete_somewhere_is_a_reshard_candidate()
 def test_a_saved_slice_missing_a_position_serves_nothing():
   copies = {0: {5: [["t", 0, 0, 0, 2]]}, 1: {5: [["t", 2, 1, 0, 2]]}}
   invs = [_inv(p, 0, copies.get(p, {})) for p in range(2)]
-  job = restore_plan.summarize(invs, [[0, 1]])
+  job = restore_summary.summarize(invs, [[0, 1]])
   assert job.reshard == {}
   assert [c.step for c in restore_plan.candidates(job)] == [3]
 
@@ -177,7 +178,7 @@ def test_positions_only_partner_copies_hold_are_named():
     3: {5: [["t", 3, 0, 3, 4, 0], ["t", 2, 0, 2, 4, 1]]},
   }
   invs = [_inv(p, 0, copies.get(p, {})) for p in range(4)]
-  job = restore_plan.summarize(invs, [[0, 1, 2, 3]])
+  job = restore_summary.summarize(invs, [[0, 1, 2, 3]])
   assert (job.reshard[5]["slices"], job.reshard[5]["partner_only"]) == ([0], {"0": [1]})
   cand = restore_plan.candidates(job)[0]
   plan = restore_plan.decide(cand, {}, [[0, 1, 2, 3]])
@@ -200,7 +201,7 @@ def test_a_position_its_xor_group_can_rebuild_completes_the_slice():
   copies = {p: {5: [["t", p, 0, p, 4, 0]]} for p in (0, 2, 3)}
   parity = {p: {5: [["t", p, 0, p, 4, group]]} for p in (0, 2, 3)}
   invs = [
-    restore_plan.Inventory(
+    restore_summary.Inventory(
       process=p,
       slice=0,
       local_steps=(),
@@ -211,7 +212,7 @@ def test_a_position_its_xor_group_can_rebuild_completes_the_slice():
     )
     for p in range(4)
   ]
-  job = restore_plan.summarize(invs, [[0, 1, 2, 3]])
+  job = restore_summary.summarize(invs, [[0, 1, 2, 3]])
   assert job.reshard[5]["parity_only"] == {"0": [1]}
   plan = restore_plan.decide(restore_plan.candidates(job)[0], {}, [[0, 1, 2, 3]])
   assert (plan.reshard_slices, plan.reshard_parity, plan.reshard_groups) == (
@@ -222,4 +223,4 @@ def test_a_position_its_xor_group_can_rebuild_completes_the_slice():
   # a second loss in the group: nothing to rebuild from
   del parity[2]
   invs[2] = dataclasses.replace(invs[2], parity={})
-  assert restore_plan.summarize(invs, [[0, 1, 2, 3]]).reshard == {}
+  assert restore_summary.summarize(invs, [[0, 1, 2, 3]]).reshard == {}

@@ -8,7 +8,9 @@ import json
 import pytest
 
 from emergency_ckpt.restore import plan as rp
-from emergency_ckpt.restore.plan import LOCAL, PEER, PERSISTENT, Inventory, Status
+from emergency_ckpt.restore import summary as restore_summary
+from emergency_ckpt.restore.plan import LOCAL, PEER, PERSISTENT, Status
+from emergency_ckpt.restore.summary import Inventory
 
 
 def layout(num_slices: int, per_slice: int) -> tuple[tuple[int, ...], ...]:
@@ -215,7 +217,7 @@ PLAN_CASES = [
 )
 def test_candidates_and_decide(slices, local, state, persistent, overrides, want_steps, want_plan):
   invs = inventories(slices, local, state=state, persistent=persistent)
-  cands = rp.candidates(rp.summarize(invs, slices))
+  cands = rp.candidates(restore_summary.summarize(invs, slices))
   assert [c.step for c in cands] == want_steps
   cand = cands[0]
   step, sources, peer = want_plan
@@ -235,7 +237,7 @@ def test_candidates_and_decide(slices, local, state, persistent, overrides, want
 def test_candidate_fields():
   local = _without(everyone(S3, [10, 20]), 3, 20)
   invs = inventories(S3, local, state=[10, 20], persistent=[10])
-  assert rp.candidates(rp.summarize(invs, S3)) == [
+  assert rp.candidates(restore_summary.summarize(invs, S3)) == [
     rp.Candidate(20, (0, 2), False),
     rp.Candidate(10, (0, 1, 2), True),
   ]
@@ -244,34 +246,38 @@ def test_candidate_fields():
 def test_step_without_commit_is_never_a_candidate():
   # Step 30 is everywhere (local and persistent) but its state has no COMMIT.
   invs = inventories(S2, everyone(S2, [10, 20, 30]), state=[10, 20], persistent=[20, 30])
-  assert [c.step for c in rp.candidates(rp.summarize(invs, S2))] == [20, 10]
-  assert rp.candidates(rp.summarize(invs, S2), step=30) == []
+  assert [c.step for c in rp.candidates(restore_summary.summarize(invs, S2))] == [20, 10]
+  assert rp.candidates(restore_summary.summarize(invs, S2), step=30) == []
 
 
 def test_committed_step_nowhere_else_is_not_a_candidate():
   local = _without(everyone(S2, [10, 20]), 1, 20)
   local = _without(local, 2, 20)
   invs = inventories(S2, local, state=[10, 20], persistent=[10])
-  assert [c.step for c in rp.candidates(rp.summarize(invs, S2))] == [10]
+  assert [c.step for c in rp.candidates(restore_summary.summarize(invs, S2))] == [10]
 
 
 def test_no_state_steps_at_all():
   invs = inventories(S2, everyone(S2, [10]), state=[], persistent=[10])
-  assert rp.candidates(rp.summarize(invs, S2)) == []
+  assert rp.candidates(restore_summary.summarize(invs, S2)) == []
 
 
 @pytest.mark.parametrize("step,want", [(None, [30, 20, 10]), (20, [20]), (10, [10]), (15, [])])
 def test_explicit_step_filter(step, want):
   invs = inventories(S2, everyone(S2, [10, 20, 30]), state=[10, 20, 30])
-  assert [c.step for c in rp.candidates(rp.summarize(invs, S2), step=step)] == want
+  assert [c.step for c in rp.candidates(restore_summary.summarize(invs, S2), step=step)] == want
 
 
 def test_newest_first_regardless_of_input_order():
   local = {0: (5, 300, 40), 1: (40, 5, 300), 2: (300, 40, 5), 3: (5, 40, 300)}
   invs = inventories(S2, local, state=[40, 5, 300, 5])
-  assert [c.step for c in rp.candidates(rp.summarize(invs, S2))] == [300, 40, 5]
+  assert [c.step for c in rp.candidates(restore_summary.summarize(invs, S2))] == [300, 40, 5]
   # The shared tiers may be reported by any process, in any order.
-  assert [c.step for c in rp.candidates(rp.summarize(list(reversed(invs)), S2))] == [300, 40, 5]
+  assert [c.step for c in rp.candidates(restore_summary.summarize(list(reversed(invs)), S2))] == [
+    300,
+    40,
+    5,
+  ]
 
 
 @pytest.mark.parametrize(
@@ -281,19 +287,19 @@ def test_newest_first_regardless_of_input_order():
 def test_complete_slices(step, want):
   local = {0: (10,), 1: (10, 30), 2: (10, 20), 3: (10, 20, 30)}
   invs = inventories(S2, local, state=[])
-  assert rp.complete_slices(step, rp.summarize(invs, S2)) == want
+  assert rp.complete_slices(step, restore_summary.summarize(invs, S2)) == want
 
 
 def test_complete_slices_missing_inventory_counts_as_missing():
   invs = [inv for inv in inventories(S2, everyone(S2, [10]), state=[10]) if inv.process != 3]
-  assert rp.complete_slices(10, rp.summarize(invs, S2)) == (0,)
+  assert rp.complete_slices(10, restore_summary.summarize(invs, S2)) == (0,)
 
 
 def test_describe_absence_names_everything():
   local = {0: (7,), 1: (), 2: (3, 9), 3: ()}
   rejected = {2: {5: "saved with topology X"}, 1: {4: "manifest checksum mismatch"}}
   invs = inventories(S2, local, state=[9, 3], persistent=[2], rejected=rejected)
-  text = rp.describe_absence(rp.summarize(invs, S2))
+  text = rp.describe_absence(restore_summary.summarize(invs, S2))
   assert "state steps with a COMMIT marker: [3, 9]" in text
   assert "persistent tensor steps: [2]" in text
   assert "local steps held by every process of a slice: none" in text
@@ -305,7 +311,7 @@ def test_describe_absence_names_everything():
 
 def test_describe_absence_with_nothing():
   invs = inventories(S1, {}, state=[])
-  text = rp.describe_absence(rp.summarize(invs, S1))
+  text = rp.describe_absence(restore_summary.summarize(invs, S1))
   assert "state steps with a COMMIT marker: none" in text
   assert "persistent tensor steps: none" in text
 
@@ -364,23 +370,25 @@ def test_job_summary_names_slices_as_ranges_and_caps_what_is_only_for_messages()
   invs = inventories(slices, local, state=[10, 20], persistent=[10], rejected=rejected)
   by_process = {inv.process: inv.to_json() for inv in invs}
   sums = {
-    s: rp.slice_summary(s, {p: by_process[p] for p in procs}, len(procs))
+    s: restore_summary.slice_summary(s, {p: by_process[p] for p in procs}, len(procs))
     for s, procs in enumerate(slices)
   }
-  doc = rp.job_summary(sums, len(slices))
+  doc = restore_summary.job_summary(sums, len(slices))
   assert doc["held"] == {"10": [[0, 39]], "20": [[0, 1], [3, 39]]}
-  assert len(doc["rejected"]) == rp.REJECTED_SHOWN and doc["rejected_count"] == 40
+  assert len(doc["rejected"]) == restore_summary.REJECTED_SHOWN and doc["rejected_count"] == 40
   assert doc["partial"] == ["slice 2: step 20 on 1 of its processes"]
-  job = rp.JobInventory.from_json(json.loads(json.dumps(doc)))
-  assert job == rp.summarize(invs, slices)
+  job = restore_summary.JobInventory.from_json(json.loads(json.dumps(doc)))
+  assert job == restore_summary.summarize(invs, slices)
   assert job.held[20] == (0, 1, *range(3, 40))
   assert [(c.step, c.in_persistent) for c in rp.candidates(job)] == [(20, False), (10, True)]
   assert "and 24 more rejected local copies" in rp.describe_absence(job)
   assert job.state_uncommitted == ()
   # the primary's uncommitted state steps reach everyone (what restore discards)
   by_process[0]["state_uncommitted"] = [30]
-  sums[0] = rp.slice_summary(0, {p: by_process[p] for p in slices[0]}, 2)
-  job = rp.JobInventory.from_json(json.loads(json.dumps(rp.job_summary(sums, len(slices)))))
+  sums[0] = restore_summary.slice_summary(0, {p: by_process[p] for p in slices[0]}, 2)
+  job = restore_summary.JobInventory.from_json(
+    json.loads(json.dumps(restore_summary.job_summary(sums, len(slices))))
+  )
   assert job.state_uncommitted == (30,) and job.state_steps == (10, 20)
 
 
@@ -393,21 +401,23 @@ def test_shared_machines_ride_on_the_summary_capped_and_counted():
   invs = inventories(slices, everyone(slices, [10]), state=[10])
   by_process = {inv.process: inv.to_json() for inv in invs}
   plain = {
-    s: rp.slice_summary(s, {p: by_process[p] for p in procs}, len(procs))
+    s: restore_summary.slice_summary(s, {p: by_process[p] for p in procs}, len(procs))
     for s, procs in enumerate(slices)
   }
-  assert "placement" not in rp.job_summary(plain, len(slices))
+  assert "placement" not in restore_summary.job_summary(plain, len(slices))
   # 20 machines' first processes report (what they report is placement.py's)
   for p in range(0, 40, 2):
     inv = dataclasses.replace(invs[p], placement={"host": f"h{p // 2}", "processes": [p, p + 1]})
     by_process[p] = json.loads(json.dumps(inv.to_json()))
     assert Inventory.from_json(by_process[p]) == inv
   sums = {
-    s: rp.slice_summary(s, {p: by_process[p] for p in procs}, len(procs))
+    s: restore_summary.slice_summary(s, {p: by_process[p] for p in procs}, len(procs))
     for s, procs in enumerate(slices)
   }
-  job = rp.JobInventory.from_json(json.loads(json.dumps(rp.job_summary(sums, len(slices)))))
-  assert job.placement_count == 20 and len(job.placement) == rp.REJECTED_SHOWN
+  job = restore_summary.JobInventory.from_json(
+    json.loads(json.dumps(restore_summary.job_summary(sums, len(slices))))
+  )
+  assert job.placement_count == 20 and len(job.placement) == restore_summary.REJECTED_SHOWN
   assert job.placement[0] == {"host": "h0", "processes": [0, 1]}
   assert job.held[10] == tuple(range(40))  # the rest of the summary is as before
 
@@ -415,7 +425,7 @@ def test_shared_machines_ride_on_the_summary_capped_and_counted():
 def test_a_slice_with_a_silent_process_holds_nothing():
   invs = [inv for inv in inventories(S2, everyone(S2, [10]), state=[10]) if inv.process != 3]
   by_process = {inv.process: inv.to_json() for inv in invs}
-  assert rp.slice_summary(1, {2: by_process[2]}, expected=2)["held"] == []
+  assert restore_summary.slice_summary(1, {2: by_process[2]}, expected=2)["held"] == []
 
 
 def test_decide_on_failures_only_equals_decide_on_every_status():

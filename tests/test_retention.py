@@ -10,15 +10,13 @@ import pytest
 
 from emergency_ckpt.errors import InvalidOptionsError
 from emergency_ckpt.retention import rules as retention
+from emergency_ckpt.retention.plans import local_plan, persistent_plan, state_plan
 from emergency_ckpt.retention.rules import (
   Rules,
   best_steps,
   explain,
   keep_latest,
-  local_plan,
-  persistent_plan,
   retain,
-  state_plan,
 )
 
 

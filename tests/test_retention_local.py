@@ -5,28 +5,29 @@ import os
 import pytest
 
 from emergency_ckpt.demo.launcher import run_job
-from emergency_ckpt.retention import rules as retention
+from emergency_ckpt.retention import plans
+from emergency_ckpt.retention.rules import Rules
 
 
 def keep_local(steps, k, committed):
-  """retention.local_plan's keep, given the newest committed step."""
-  plan = retention.local_plan(
+  """plans.local_plan's keep, given the newest committed step."""
+  plan = plans.local_plan(
     steps,
-    retention.Rules(max_to_keep=k),
+    Rules(max_to_keep=k),
     is_committed=lambda s: committed is not None and s <= committed,
   )
   return set(plan.keep)
 
 
 def keep_state(listed, committed, persistent, *, local_keep, persistent_interval):
-  """retention.state_plan's keep, as the manager calls it."""
-  plan = retention.state_plan(
+  """plans.state_plan's keep, as the manager calls it."""
+  plan = plans.state_plan(
     listed,
     committed,
-    retention.Rules(max_to_keep=local_keep),
+    Rules(max_to_keep=local_keep),
     persistent=persistent,
     persistent_interval=persistent_interval,
-    extra_newest=retention.LOCAL_LAG_STEPS,
+    extra_newest=plans.LOCAL_LAG_STEPS,
   )
   return set(plan.keep)
 

@@ -14,7 +14,8 @@ from emergency_ckpt.core.layout import COMMIT_FILE as COMMIT
 from emergency_ckpt.core.layout import state_file_name as file_name
 from emergency_ckpt.core.storage import write_bytes
 from emergency_ckpt.errors import CorruptCheckpointError, DataStateError
-from emergency_ckpt.state.store import StateStore, validate_data_state
+from emergency_ckpt.state.data_state import validate_data_state
+from emergency_ckpt.state.store import StateStore
 
 N = 3
 
@@ -354,7 +355,8 @@ def test_commit_records_are_read_once_and_forgotten_when_deleted(tmp_path, monke
 
 def test_saved_data_states_read_each_file_when_first_accessed(tmp_path, monkeypatch):
   from emergency_ckpt.errors import CorruptCheckpointError  # noqa: PLC0415
-  from emergency_ckpt.state.store import SavedDataStates, StateStore  # noqa: PLC0415
+  from emergency_ckpt.state.data_state import SavedDataStates  # noqa: PLC0415
+  from emergency_ckpt.state.store import StateStore  # noqa: PLC0415
 
   for p in range(3):
     StateStore(str(tmp_path), process_index=p, process_count=3).write(5, {"pos": 10 + p})

@@ -1,15 +1,15 @@
-"""storage.translate: what an upload we do not drive (Orbax's) raises."""
+"""gcs_retry.translate: what an upload we do not drive (Orbax's) raises."""
 
 from __future__ import annotations
 
 import pytest
 
-from emergency_ckpt.core import storage
+from emergency_ckpt.core import gcs_retry
 from emergency_ckpt.errors import StorageError
 
 
 def test_forbidden_on_gcs_names_bucket_and_operation():
-  e = storage.translate(
+  e = gcs_retry.translate(
     OSError("Forbidden: http://x/upload (403)"), what="uploading step 4 to", path="gs://bkt/run"
   )
   assert isinstance(e, StorageError)
@@ -19,7 +19,7 @@ def test_forbidden_on_gcs_names_bucket_and_operation():
 
 
 def test_transient_error_says_retries_ran_out():
-  e = storage.translate(ConnectionResetError("reset"), what="uploading", path="gs://bkt/run")
+  e = gcs_retry.translate(ConnectionResetError("reset"), what="uploading", path="gs://bkt/run")
   assert isinstance(e, StorageError)
   assert "outlasted" in str(e)
 
@@ -33,9 +33,9 @@ def test_transient_error_says_retries_ran_out():
   ],
 )
 def test_other_errors_pass_unchanged(exc, path):
-  assert storage.translate(exc, what="uploading", path=path) is exc
+  assert gcs_retry.translate(exc, what="uploading", path=path) is exc
 
 
 def test_storage_error_passes_unchanged():
   e = StorageError("already translated")
-  assert storage.translate(e, what="uploading", path="gs://bkt/run") is e
+  assert gcs_retry.translate(e, what="uploading", path="gs://bkt/run") is e

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from emergency_ckpt.core import parity as xor_parity
-from emergency_ckpt.redundancy import xor as xor_lib
+from emergency_ckpt.local import blocks as local_blocks
 from tests import restart_helpers as rh
 from tests.conftest import _fresh_shm_dir
 
@@ -52,10 +52,10 @@ def test_each_member_keeps_the_xor_of_the_others_chunks(one_slice, shm_dir):
     # and step 1's block, the spare the next step's chunks are written into
     (spare,) = [n for n in names if n not in steps]
     assert spare.startswith(".tmp-spare-")
-    spare_bytes = os.path.getsize(os.path.join(folder, spare, xor_lib.PARITY_FILE))
-    body = xor_lib.read_group(os.path.join(folder, "step_5"))
+    spare_bytes = os.path.getsize(os.path.join(folder, spare, local_blocks.PARITY_FILE))
+    body = local_blocks.read_group(os.path.join(folder, "step_5"))
     assert (body["group"], body["member"]) == ([0, 1, 2, 3], j)
-    with open(os.path.join(folder, "step_5", xor_lib.PARITY_FILE), "rb") as f:
+    with open(os.path.join(folder, "step_5", local_blocks.PARITY_FILE), "rb") as f:
       block = np.frombuffer(f.read(), np.uint8)
     assert block.tobytes() == xor_parity.parity(j, data).tobytes()
     assert spare_bytes == len(block)  # every step of this run has one size
@@ -94,7 +94,7 @@ def test_two_hosts_of_a_group_lost_fall_back_to_persistent(one_slice, shm_dir, f
 def test_a_damaged_parity_block_is_skipped(one_slice, shm_dir, fault_matrix):
   args = rh.copy_run(one_slice, shm_dir)
   rh.wipe_hosts(args, 1)
-  path = os.path.join(rh.process_dir(args, 2), "xor", "step_5", xor_lib.PARITY_FILE)
+  path = os.path.join(rh.process_dir(args, 2), "xor", "step_5", local_blocks.PARITY_FILE)
   with open(path, "r+b") as f:  # member 2's block holds a chunk of member 1's step 5
     f.seek(7)
     byte = f.read(1)
@@ -112,7 +112,7 @@ def test_a_damaged_parity_block_is_skipped(one_slice, shm_dir, fault_matrix):
 def test_a_torn_group_file_is_not_used(one_slice, shm_dir, fault_matrix):
   args = rh.copy_run(one_slice, shm_dir)
   rh.wipe_hosts(args, 1)
-  path = os.path.join(rh.process_dir(args, 3), "xor", "step_5", xor_lib.GROUP_FILE)
+  path = os.path.join(rh.process_dir(args, 3), "xor", "step_5", local_blocks.GROUP_FILE)
   with open(path) as f:
     doc = json.load(f)
   doc["body"]["sizes"]["0"] += 1  # edited: its checksum no longer matches

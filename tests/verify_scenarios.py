@@ -154,7 +154,7 @@ def plain_read_wrong(item: str, step: int) -> bool | None:
   error, False if right, None if it raises."""
   import tensorstore as ts  # noqa: PLC0415
 
-  from emergency_ckpt.persistent.tier import _ocp  # noqa: PLC0415
+  from emergency_ckpt.persistent.orbax_loader import orbax as _ocp  # noqa: PLC0415
 
   ocp = _ocp()
   want = expected(step)

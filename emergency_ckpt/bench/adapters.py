@@ -16,6 +16,7 @@ from typing import Any
 import jax
 
 from emergency_ckpt.bench.state import Layout
+from emergency_ckpt.cluster import jax_runtime
 
 OURS = "emergency_ckpt"
 ORBAX_MS = "orbax_multislice"
@@ -27,15 +28,11 @@ def orbax_prerequisites() -> None:
   """What Orbax's emergency code needs outside absl.app.run, after
   jax.distributed.initialize (see the multiprocess-jax-cpu notes)."""
   from absl import flags  # noqa: PLC0415
-  from orbax.checkpoint._src.multihost import multihost  # noqa: PLC0415
 
   if not flags.FLAGS.is_parsed():
     flags.FLAGS.mark_as_parsed()
   if jax.process_count() > 1:
-    if not multihost.is_runtime_to_distributed_ids_initialized():
-      multihost.initialize_runtime_to_distributed_ids()
-    if not multihost.is_distributed_to_device_ids_initialized():
-      multihost.initialize_distributed_to_device_ids()
+    jax_runtime.init_orbax_id_tables()
 
 
 def patch_p2p_loopback() -> None:

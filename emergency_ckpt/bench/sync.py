@@ -1,5 +1,9 @@
-"""Cross-process barriers for benchmark workers: the one module that touches
-jax's private coordination client (no XLA, no device memory)."""
+"""Cross-process barriers for benchmark workers, straight on JAX's
+coordination client (no XLA, no device memory; the client comes from
+cluster/jax_runtime.py, the one module that touches JAX's internals).
+
+Called by: the benchmark's worker processes, every one in the same order.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,8 @@ import itertools
 import time
 
 import jax
+
+from emergency_ckpt.cluster import jax_runtime
 
 _COUNTER = itertools.count()
 _TIMEOUT_MS = 600_000
@@ -17,10 +23,13 @@ def barrier(name: str) -> None:
 
   Called by: every process, in the same order (the n-th call gets the same
   unique key everywhere). A no-op in single-process jobs.
+
+  Args:
+    name: the barrier's name (part of its key; for the service's messages).
   """
   if jax.process_count() == 1:
     return
-  client = jax._src.distributed.global_state.client  # noqa: SLF001
+  client = jax_runtime.distributed_client()
   client.wait_at_barrier(f"bench/{next(_COUNTER)}/{name}", _TIMEOUT_MS)
 
 
@@ -28,19 +37,27 @@ def start_together(name: str, lead_s: float = 0.25) -> float:
   """A barrier, then every process sleeps until one shared instant (process
   0's clock `lead_s` after it left the barrier, published through the
   coordination service), so that a timed call starts at once everywhere.
-  A barrier alone releases the processes one after another: in a 64-process
-  job on 2 cores, process 0 (which hosts the coordination service and
-  answers everyone else's release first) left it up to 94 ms after the
-  first, and the first to leave then timed their wait for it. Returns how
-  late this process woke past the instant (0.0 if on time; a figure to
-  report, which says whether `lead_s` sufficed). The instant is a
-  CLOCK_MONOTONIC time, so the processes must share one machine (as the
-  launcher's jobs do). Called by: every process, in the same order; a
-  plain barrier-free no-op in single-process jobs."""
+  A barrier alone releases the processes one after another: process 0
+  (which hosts the coordination service and answers everyone else's
+  release first) leaves it last, and the first to leave would then time
+  their wait for it. The instant is a CLOCK_MONOTONIC time, so the
+  processes must share one machine (as the launcher's jobs do).
+
+  Called by: every process, in the same order; a plain barrier-free no-op
+  in single-process jobs.
+
+  Args:
+    name: the barrier's name (part of its keys).
+    lead_s: how far past process 0's release the shared instant lies.
+
+  Returns:
+    How late this process woke past the instant (0.0 if on time; a figure
+    to report, which says whether `lead_s` sufficed).
+  """
   if jax.process_count() == 1:
     return 0.0
   barrier(name)
-  client = jax._src.distributed.global_state.client  # noqa: SLF001
+  client = jax_runtime.distributed_client()
   key = f"bench/{next(_COUNTER)}/{name}/at"
   if jax.process_index() == 0:
     at = time.monotonic() + lead_s

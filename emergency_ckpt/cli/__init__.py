@@ -15,7 +15,8 @@ import argparse
 from emergency_ckpt.cli.bench import cmd_bench
 from emergency_ckpt.cli.gc import cmd_gc, plan_gc
 from emergency_ckpt.cli.inspect import cmd_inspect, cmd_verify, collect
-from emergency_ckpt.cli.report import cmd_report, draw_timeline, summarize_events
+from emergency_ckpt.cli.report import cmd_report, summarize_events
+from emergency_ckpt.cli.timeline import draw_timeline
 from emergency_ckpt.demo import main as demo_main
 
 __all__ = [
@@ -35,6 +36,14 @@ __all__ = [
 
 
 def cmd_demo(a) -> int:
+  """`emergency-ckpt demo`: runs the README's main job.
+
+  Args:
+    a: the parsed arguments (root, keep, config).
+
+  Returns:
+    The demo's exit status.
+  """
   return demo_main.run(a.root, keep=a.keep, config=a.config)
 
 
@@ -123,6 +132,11 @@ def _pos_int(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+  """The `emergency-ckpt` argument parser (the docs' CLI page renders it).
+
+  Returns:
+    The parser; each subcommand sets `fn`, the cmd_* function that runs it.
+  """
   fmt = argparse.RawDescriptionHelpFormatter
   p = argparse.ArgumentParser(prog="emergency-ckpt", description=__doc__, formatter_class=fmt)
   sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
@@ -241,6 +255,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+  """The `emergency-ckpt` command.
+
+  Args:
+    argv: the arguments; None: sys.argv[1:].
+
+  Returns:
+    The subcommand's exit status (argparse exits with 2 on bad arguments).
+  """
   p = build_parser()
   a = p.parse_args(argv)
   if a.cmd == "gc":

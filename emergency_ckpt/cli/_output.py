@@ -12,6 +12,14 @@ from typing import Any
 
 
 def isatty(stream) -> bool:
+  """Whether a stream is a terminal.
+
+  Args:
+    stream: a file object.
+
+  Returns:
+    True if it is a terminal; False also when it cannot say.
+  """
   try:
     return bool(stream.isatty())
   except (AttributeError, ValueError):
@@ -19,7 +27,11 @@ def isatty(stream) -> bool:
 
 
 class Style:
-  """ANSI styles, only when `stream` (stdout) is a terminal and NO_COLOR is unset."""
+  """ANSI styles, only when `stream` (stdout) is a terminal and NO_COLOR is unset.
+
+  Args:
+    stream: the output; None: sys.stdout.
+  """
 
   _CODES = {"bold": "1", "dim": "2", "red": "31", "green": "32", "yellow": "33"}
 
@@ -39,8 +51,18 @@ def grid(
   style: Style | None = None,
   color: Callable[[str, str], tuple[str, ...]] | None = None,
 ) -> str:
-  """An aligned text table. `color(header, cell)` names styles for a cell
-  (applied after padding, so alignment holds; only on a terminal)."""
+  """An aligned text table.
+
+  Args:
+    headers: the column names (bold).
+    rows: the cells, one list per row (None shows as "-").
+    style: the styles to apply; None: Style() of stdout.
+    color: names styles for a cell, given (header, cell text); applied after
+      padding, so alignment holds (only on a terminal).
+
+  Returns:
+    The table, one line per row, without trailing spaces.
+  """
   style = style or Style()
   cells = [["-" if v is None else str(v) for v in row] for row in rows]
   widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
@@ -60,6 +82,14 @@ def grid(
 
 
 def mib(nbytes: int | None) -> str:
+  """A size for a table.
+
+  Args:
+    nbytes: a size in bytes, or None.
+
+  Returns:
+    It in KiB, MiB or GiB; "" for None.
+  """
   if nbytes is None:
     return ""
   if nbytes < 1 << 20:
@@ -70,12 +100,25 @@ def mib(nbytes: int | None) -> str:
 
 
 def secs(value: float | None, digits: int = 3) -> str:
+  """Seconds for a table.
+
+  Args:
+    value: seconds, or None.
+    digits: decimals shown.
+
+  Returns:
+    The value with `digits` decimals; "-" for None.
+  """
   return "-" if value is None else f"{value:.{digits}f}"
 
 
 class Progress:
   """Progress on stderr: on a terminal one status line rewritten in place;
-  otherwise only permanent lines, plain (no escape or control codes)."""
+  otherwise only permanent lines, plain (no escape or control codes).
+
+  Args:
+    stream: the output; None: sys.stderr.
+  """
 
   def __init__(self, stream=None):
     self.stream = sys.stderr if stream is None else stream
@@ -84,7 +127,11 @@ class Progress:
     self._lock = threading.Lock()
 
   def status(self, text: str) -> None:
-    """A transient line (terminal only)."""
+    """Shows a transient line (terminal only), cut to the terminal's width.
+
+    Args:
+      text: the line.
+    """
     if not self.tty:
       return
     with self._lock:
@@ -94,7 +141,11 @@ class Progress:
       self._shown = len(text)
 
   def line(self, text: str) -> None:
-    """A permanent line (replaces the status line on a terminal)."""
+    """Writes a permanent line (replacing the status line on a terminal).
+
+    Args:
+      text: the line.
+    """
     with self._lock:
       if self._shown:
         self.stream.write("\r" + " " * self._shown + "\r")
@@ -103,6 +154,7 @@ class Progress:
       self.stream.flush()
 
   def clear(self) -> None:
+    """Erases the status line, if one is shown."""
     with self._lock:
       if self._shown:
         self.stream.write("\r" + " " * self._shown + "\r")

@@ -86,6 +86,15 @@ class _BenchProgress:
 
 
 def cmd_bench(a) -> int:
+  """`emergency-ckpt bench`: runs the benchmark with a numbered progress line per job.
+
+  Args:
+    a: the parsed arguments (quick, mib_per_replica, reps, out, managers,
+      job_timeout, keep, verbose).
+
+  Returns:
+    The benchmark's exit status.
+  """
   run = _bench_module()
   argv = ["--out", a.out]
   if a.quick:

@@ -1,7 +1,7 @@
 """`emergency-ckpt gc`: apply retention offline to local and persistent roots.
 
-The plan is retention.py's, the one the manager runs (reasons per step);
-the listings are layout.walk_local and persistent_layout.scan; deletions go
+The plans are retention/plans.py's, the ones the manager runs (reasons per step);
+the listings are folders.walk_local and persistent_layout.scan; deletions go
 through the same namespace moves as the tiers'. No JAX, no Orbax."""
 
 from __future__ import annotations
@@ -17,8 +17,10 @@ from etils import epath
 
 from emergency_ckpt.cli._output import Progress, Style, grid, mib
 from emergency_ckpt.core import layout
+from emergency_ckpt.local import folders
 from emergency_ckpt.persistent import layout as persistent_layout
-from emergency_ckpt.retention import rules as retention
+from emergency_ckpt.retention import plans
+from emergency_ckpt.retention.rules import Plan, Rules
 
 _TIER_ORDER = {"local": 0, "persistent": 1, "state": 2}
 
@@ -36,7 +38,7 @@ def _key(root: epath.PathLike) -> str:
   return os.fspath(epath.Path(root))
 
 
-def _rows(tier: str, location: str, plan: retention.Plan, paths: dict[int, str]) -> list[dict]:
+def _rows(tier: str, location: str, plan: Plan, paths: dict[int, str]) -> list[dict]:
   rows = []
   for s, reason in sorted(plan.reasons.items()):
     action = "keep" if s in plan.keep else "delete"
@@ -55,7 +57,7 @@ def _rows(tier: str, location: str, plan: retention.Plan, paths: dict[int, str])
 
 def _gc_local(
   root: str,
-  rules: retention.Rules,
+  rules: Rules,
   by_run: dict[str, persistent_layout.PersistentListing],
   explicit: persistent_layout.PersistentListing | None,
   local_kept: dict[str, set[int]],
@@ -64,7 +66,7 @@ def _gc_local(
   """Rows for every step of every process under a local root."""
   rows = []
   warned: set[str] = set()
-  for proc in layout.walk_local(root).processes:
+  for proc in folders.walk_local(root).processes:
     store = explicit or by_run.get(proc.run_id)
     if store is None and rules.keep_best is not None and proc.run_id not in warned:
       warned.add(proc.run_id)
@@ -75,7 +77,7 @@ def _gc_local(
       )
     if not proc.steps:
       continue
-    plan = retention.local_plan(
+    plan = plans.local_plan(
       proc.steps,
       rules,
       is_committed=None if store is None else store.committed.__contains__,
@@ -86,18 +88,18 @@ def _gc_local(
     for row in _rows("local", proc.path, plan, dict(proc.steps)):
       if row["action"] == "delete":
         row["bytes"] = _dir_bytes(row["path"])
-        row["_delete"] = functools.partial(layout.delete_local_step_dir, row["path"])
+        row["_delete"] = functools.partial(folders.delete_local_step_dir, row["path"])
       rows.append(row)
   return rows
 
 
 def _gc_persistent(
-  listing: persistent_layout.PersistentListing, rules: retention.Rules, local_kept: set[int]
+  listing: persistent_layout.PersistentListing, rules: Rules, local_kept: set[int]
 ) -> list[dict]:
   """Rows for every finalized tensor step and every state step of a persistent root."""
   tensors = layout.tensors_dir(listing.root)
   metrics = listing.metrics
-  tensor_plan = retention.persistent_plan(
+  tensor_plan = plans.persistent_plan(
     listing.tensor_steps, rules, committed=listing.committed, metrics=metrics
   )
   paths = {s: str(layout.tensor_step_dir(tensors, s)) for s in listing.tensor_steps}
@@ -107,7 +109,7 @@ def _gc_persistent(
       row["bytes"] = persistent_layout.step_bytes(tensors, row["step"])
       row["_delete"] = functools.partial(persistent_layout.delete_step, tensors, row["step"])
     rows.append(row)
-  state_plan = retention.state_plan(
+  state_plan = plans.state_plan(
     listing.state_steps,
     listing.committed,
     rules,
@@ -126,10 +128,22 @@ def _gc_persistent(
 
 
 def plan_gc(
-  dirs: list[str], rules: retention.Rules, *, state: str | None = None
+  dirs: list[str], rules: Rules, *, state: str | None = None
 ) -> tuple[list[dict[str, Any]], list[str]]:
-  """(rows, warnings): one row per step and tier with action "keep" or
-  "delete" and the reason. Rows to delete carry a private "_delete" callable."""
+  """What `gc` keeps and deletes under the given roots, deleting nothing.
+
+  Args:
+    dirs: local roots (a host's local.directory) and persistent roots.
+    rules: the retention rules (from gc's flags), for every tier.
+    state: a persistent root whose state store tells the local roots which
+      steps are committed (and their metrics); None: a persistent root in
+      `dirs` whose run.json names the run.
+
+  Returns:
+    (rows, warnings): one row per step and tier with its action ("keep",
+    "delete", or "error" for a missing root) and the reason; rows to delete
+    carry a private "_delete" callable.
+  """
   warnings: list[str] = []
   explicit = None
   if state is not None:
@@ -183,7 +197,16 @@ def _action_color(header: str, value: str) -> tuple[str, ...]:
 
 
 def cmd_gc(a) -> int:
-  rules = retention.Rules(
+  """`emergency-ckpt gc`: applies retention, or shows it with --dry-run.
+
+  Args:
+    a: the parsed arguments (dirs, keep, keep_period, keep_best, metric,
+      mode, state, dry_run, json).
+
+  Returns:
+    The exit status: 0, or 1 if a root does not exist or a deletion failed.
+  """
+  rules = Rules(
     max_to_keep=a.keep,
     keep_period=a.keep_period,
     keep_best=a.keep_best,

@@ -1,6 +1,6 @@
 """`emergency-ckpt inspect` and `verify`: scan local and persistent roots, one
 row per step, and (verify) check markers and checksums. No JAX: local roots
-through layout.walk_local and local_format, persistent roots through
+through folders.walk_local and local_format, persistent roots through
 persistent_layout.scan."""
 
 from __future__ import annotations
@@ -15,15 +15,16 @@ from etils import epath
 
 from emergency_ckpt.core import layout
 from emergency_ckpt.errors import CorruptCheckpointError
+from emergency_ckpt.local import folders
 from emergency_ckpt.local import format as local_format
 from emergency_ckpt.persistent import layout as persistent_layout
 
 
 def _local_steps(root: str) -> list[dict[str, Any]]:
   """One row per step, unmarked step folder and .tmp-* folder under a local
-  root (layout.walk_local: names outside the layout are ignored)."""
+  root (folders.walk_local: names outside the layout are ignored)."""
   rows = []
-  for proc in layout.walk_local(root).processes:
+  for proc in folders.walk_local(root).processes:
     where = {"tier": "local", "run_id": proc.run_id}
     where["process"] = layout.process_dir_name(proc.process_index)
     for step, path in sorted(proc.steps.items()):
@@ -88,6 +89,16 @@ def _describe_local(row: dict[str, Any], check: bool) -> dict[str, Any]:
 
 
 def collect(dirs: list[str], *, check: bool) -> list[dict[str, Any]]:
+  """One row per step (and per unmarked or temporary folder) under the roots.
+
+  Args:
+    dirs: local roots (a host's local.directory) and persistent roots.
+    check: also read every shard and compare it with its recorded checksum
+      (verify); else read the markers only (inspect).
+
+  Returns:
+    The rows; a missing root is a row with status "BAD".
+  """
   rows: list[dict[str, Any]] = []
   for d in dirs:
     root = epath.Path(d)
@@ -124,12 +135,28 @@ def _table(rows: list[dict[str, Any]]) -> str:
 
 
 def cmd_inspect(a) -> int:
+  """`emergency-ckpt inspect`: prints every step per tier.
+
+  Args:
+    a: the parsed arguments (dirs, json).
+
+  Returns:
+    The exit status: 0.
+  """
   rows = collect(a.dirs, check=False)
   print(json.dumps(rows, indent=1) if a.json else _table(rows))
   return 0
 
 
 def cmd_verify(a) -> int:
+  """`emergency-ckpt verify`: checks markers and checksums, and prints them.
+
+  Args:
+    a: the parsed arguments (dirs, step, json).
+
+  Returns:
+    The exit status: 1 if anything is bad or nothing was found, else 0.
+  """
   rows = collect(a.dirs, check=True)
   if a.step is not None:
     rows = [r for r in rows if r.get("step") == a.step]

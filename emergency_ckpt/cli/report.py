@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 from emergency_ckpt.cli._output import Style, grid, secs
+from emergency_ckpt.cli.timeline import draw_timeline
 from emergency_ckpt.core import telemetry
 
 
@@ -24,7 +25,18 @@ def _mean(values: list[float]) -> float | None:
 
 
 def summarize_events(events: list[dict[str, Any]]) -> dict[str, Any]:
-  """The `report` numbers of a run, from its events (see telemetry's schema)."""
+  """The `report` numbers of a run.
+
+  Args:
+    events: the run's events, from every process's log (telemetry's schema).
+
+  Returns:
+    The summary: wall time, checkpoint overhead, stalls per process,
+    durable times per tier, restores with lost and redone steps, errors.
+
+  Raises:
+    ValueError: no event has a time.
+  """
   events = [e for e in events if _is_num(e.get("time"))]
   if not events:
     raise ValueError("no events with a time")
@@ -298,73 +310,16 @@ def _report_text(s: dict[str, Any], files: list[str], style: Style) -> str:
   return "\n".join(out)
 
 
-def draw_timeline(events: list[dict[str, Any]], summary: dict[str, Any], out: str) -> str | None:
-  """Draws saves, failures and restores per process to `out` (PNG) with
-  matplotlib; returns None, or why nothing was drawn."""
-  try:
-    import matplotlib  # noqa: PLC0415 - optional
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-  except ImportError:
-    return (
-      "--png needs matplotlib, which is not installed here (it is not a dependency of"
-      " emergency_ckpt): pip install matplotlib, then run report again"
-    )
-  t0 = summary["wall_start"]
-  procs = sorted({e["process"] for e in events if isinstance(e.get("process"), int)})
-  row = {p: i for i, p in enumerate(procs)}
-  fig, ax = plt.subplots(figsize=(11, 1.2 + 0.5 * max(1, len(procs))))
-  marks = {
-    "local save": ([], [], dict(marker="|", color="tab:blue", s=80)),
-    "persistent save": ([], [], dict(marker="|", color="tab:green", s=200)),
-    "failure / error": ([], [], dict(marker="x", color="tab:red", s=60)),
-    "restore": ([], [], dict(marker="*", color="black", s=160)),
-    "manager start": ([], [], dict(marker="o", facecolors="none", edgecolors="gray", s=50)),
-  }
-  for e in events:
-    p = e.get("process")
-    if p not in row or not _is_num(e.get("time")):
-      continue
-    x, y = e["time"] - t0, row[p]
-    key = None
-    if e["event"] == "save":
-      key = "persistent save" if "persistent" in (e.get("tiers") or []) else "local save"
-    elif e.get("error") is not None or e["event"] == "save_failed":
-      key = "failure / error"
-    elif e["event"] == "restore":
-      key = "restore"
-      ax.annotate(
-        f"{e.get('step')} ({e.get('source')})", (x, y), xytext=(4, 6), textcoords="offset points"
-      )
-    elif e["event"] == "run_start":
-      key = "manager start"
-    if key:
-      marks[key][0].append(x)
-      marks[key][1].append(y)
-  for label, (xs, ys, kw) in marks.items():
-    if xs:
-      ax.scatter(xs, ys, label=label, **kw)
-  ax.set_yticks(range(len(procs)))
-  slice_of = {p["process"]: p["slice"] for p in summary["per_process"]}
-  ax.set_yticklabels([f"process {p} (slice {slice_of.get(p)})" for p in procs])
-  ax.set_ylim(-0.7, len(procs) - 0.3)
-  ax.set_xlim(0, max(summary["wall_s"], 1e-3) * 1.12)  # room for the last labels
-  ax.set_xlabel("seconds since start")
-  pct = summary["checkpoint_overhead_pct"]
-  ax.set_title(
-    f"{', '.join(summary['run_ids']) or 'run'}: wall {summary['wall_s']:.0f} s, checkpoint"
-    f" overhead {'-' if pct is None else f'{pct:.2f} %'}"
-  )
-  ax.grid(axis="x", alpha=0.3)
-  ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
-  fig.tight_layout()
-  fig.savefig(out, dpi=120)
-  plt.close(fig)
-  return None
-
-
 def cmd_report(a) -> int:
+  """`emergency-ckpt report`: summarises a run from its event logs.
+
+  Args:
+    a: the parsed arguments (logs, json, png).
+
+  Returns:
+    The exit status: 1 if a log is missing, holds no events, or the
+    timeline could not be drawn; else 0.
+  """
   files = telemetry._expand(a.logs)
   missing = [f for f in files if not os.path.isfile(f)]
   if missing:

@@ -5,9 +5,8 @@ share its cores and memory bandwidth. When they save at the same step, the
 first to finish its staging copy would start its background work (the
 ramdisk write with its checksums, the persistent upload) while the others
 still copy, and slow their copies down: the job's save() stall is its
-slowest process's. Measured here (4 processes, 2 cores, 256 MiB each): stall
-1.68x a memcpy with background work starting at once, 1.13x with it held
-back until every copy was done.
+slowest process's, so holding background work back until every copy is
+done shortens the stall.
 
 So a process holds a shared flock on a per-job lock file while it is inside
 save(), and background work first waits (briefly, capped) until no process
@@ -16,10 +15,14 @@ holds it. No network, no collective: a flock on a file of the machine's
 (emergency_ckpt-<uid>/<job>.staging, <job> a digest of the JAX coordinator's
 address: other jobs on the machine, even of the same run, never wait on
 this one; removed at close when no process holds it, and by a later job's
-open once a day old and unlocked, if its job died). save() never blocks here: it takes the shared lock without waiting
-and goes on without it if it cannot. A folder or file that is not this
-user's own is never used (coordination is off, with a debug log): another
-user cannot make a save wait.
+open once a day old and unlocked, if its job died). save() never blocks
+here: it takes the shared lock without waiting and goes on without it if it
+cannot. A folder or file that is not this user's own is never used
+(coordination is off, with a debug log): another user cannot make a save
+wait.
+
+Called by: the staging area (runtime/staging.py) of each process; no
+collective.
 """
 
 from __future__ import annotations
@@ -39,7 +42,11 @@ _SHARED_TRIES = 5  # LOCK_SH fails only while a waiter holds LOCK_EX for an inst
 
 
 def lock_dir() -> str:
-  """Where the machine's lock files live: /dev/shm if present, else the temp dir."""
+  """Where the machine's lock files live.
+
+  Returns:
+    /dev/shm if present, else the temp directory.
+  """
   return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
@@ -111,8 +118,15 @@ class StagingWindow:
   """
 
   def __init__(self, job: str | None, *, directory: str | None = None):
-    """`job`: an id shared by exactly the processes of one job (None: a
-    single-process job, which has no co-located processes: the window is off)."""
+    """Opens this process's side of the window (off where the folder or
+    file is not this user's own). Sweeps dead jobs' lock files.
+
+    Args:
+      job: an id shared by exactly the processes of one job (None: a
+        single-process job, which has no co-located processes: the window
+        is off).
+      directory: where the lock folder lives (default: lock_dir()).
+    """
     folder = os.path.join(directory or lock_dir(), f"emergency_ckpt-{os.geteuid()}")
     self.path = os.path.join(folder, f"{job}.staging")
     self._holder = self._waiter = None
@@ -123,12 +137,17 @@ class StagingWindow:
 
   @property
   def enabled(self) -> bool:
+    """The window coordinates this process (its lock file is open)."""
     return self._holder is not None and self._waiter is not None
 
   @contextlib.contextmanager
   def staging(self):
     """Holds the window open (shared) while the caller copies. Never waits
-    more than a few milliseconds: if the lock is not had, the copy runs anyway."""
+    more than a few milliseconds: if the lock is not had, the copy runs anyway.
+
+    Returns:
+      A context manager; the window is held inside it.
+    """
     held = False
     if self.enabled:
       for _ in range(_SHARED_TRIES):
@@ -145,8 +164,14 @@ class StagingWindow:
         fcntl.flock(self._holder, fcntl.LOCK_UN)
 
   def wait_closed(self, timeout_s: float) -> float:
-    """Blocks until no process of this run on this machine is staging, or
-    `timeout_s` passed; returns the seconds waited."""
+    """Blocks until no process of this job on this machine is staging.
+
+    Args:
+      timeout_s: the longest wait.
+
+    Returns:
+      The seconds waited (0.0 where the window is off).
+    """
     if not self.enabled:
       return 0.0
     t0 = time.monotonic()

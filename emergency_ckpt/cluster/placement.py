@@ -16,9 +16,16 @@ from collections.abc import Mapping, Sequence
 def shared_hosts(
   hosts: Mapping[int, str | None], slice_processes: Sequence[Sequence[int]]
 ) -> dict[str, dict[int, tuple[int, ...]]]:
-  """{host: {slice: its processes on that host}} for every host that runs
-  processes of two or more slices. Processes with no known host (None) are
-  left out. Single-slice jobs have nothing to share."""
+  """The hosts that run processes of two or more slices.
+
+  Args:
+    hosts: {process: its host id}, None where unknown (left out).
+    slice_processes: the processes of each slice.
+
+  Returns:
+    {host: {slice: its processes on that host}} of those hosts, sorted
+    ({} for single-slice jobs: nothing to share).
+  """
   by_host: dict[str, dict[int, list[int]]] = {}
   for s, procs in enumerate(slice_processes):
     for p in procs:
@@ -33,8 +40,15 @@ def shared_hosts(
 
 
 def describe(shared: Mapping[str, Mapping[int, Sequence[int]]], *, more: int = 0) -> str | None:
-  """What is wrong and how to fix it, or None if nothing is shared. `more`:
-  shared hosts beyond those in `shared` (counted, not named)."""
+  """What is wrong with shared hosts and how to fix it.
+
+  Args:
+    shared: shared_hosts()'s answer (or a part of it).
+    more: shared hosts beyond those in `shared` (counted, not named).
+
+  Returns:
+    The message, or None if nothing is shared.
+  """
   if not shared:
     return None
   parts = []

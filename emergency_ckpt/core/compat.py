@@ -5,6 +5,9 @@ abstract state against what was saved before it reads a byte: a mismatch is
 a StateMismatchError naming the leaf and both sides, never a silent cast.
 And a state sharded over the replica axis can be served neither by a peer
 slice nor by the primary slice alone.
+
+Called by: the local tier, the persistent tier, the peer transfers and the
+manager, before they read; no I/O.
 """
 
 from __future__ import annotations
@@ -26,8 +29,17 @@ def _dtype_name(dtype: Any) -> str:
 
 
 def check_tree(saved_paths: Iterable[str], paths: Sequence[str], where: Any) -> None:
-  """Raises StateMismatchError naming leaves missing on either side (or a
-  changed order) between the saved tree and the caller's."""
+  """Checks that the caller's tree has the saved tree's leaves, in order.
+
+  Args:
+    saved_paths: the saved leaves' paths, in saved order.
+    paths: the caller's leaves' paths.
+    where: what was saved, for the message (e.g. "local step 30").
+
+  Raises:
+    StateMismatchError: naming leaves missing on either side (or a changed
+      order).
+  """
   saved_paths = list(saved_paths)
   if saved_paths == list(paths):
     return
@@ -41,7 +53,17 @@ def check_tree(saved_paths: Iterable[str], paths: Sequence[str], where: Any) -> 
 
 
 def check_leaf(path: str, saved_shape, saved_dtype, shape, dtype, where: Any) -> None:
-  """Raises StateMismatchError if the saved leaf's shape or dtype differs."""
+  """Checks one leaf's shape and dtype against what was saved.
+
+  Args:
+    path: the leaf's path, for the message.
+    saved_shape, saved_dtype: what was saved.
+    shape, dtype: what the caller asks for.
+    where: what was saved, for the message.
+
+  Raises:
+    StateMismatchError: the shape or dtype differs.
+  """
   if tuple(saved_shape) == tuple(shape) and _dtype_name(saved_dtype) == _dtype_name(dtype):
     return
   raise StateMismatchError(
@@ -58,9 +80,19 @@ def check_state(
   *,
   ordered: bool = True,
 ) -> None:
-  """check_tree + check_leaf for every leaf. `saved`: path -> (shape,
-  dtype); a dtype of None is not checked. `ordered`: the saved order counts
-  (a local copy's manifest), else only the set of paths (Orbax's metadata)."""
+  """check_tree + check_leaf for every leaf.
+
+  Args:
+    saved: {path: (shape, dtype)} as saved; a dtype of None is not checked.
+    paths: the caller's leaves' paths.
+    abstract: the caller's leaves (with .shape and .dtype).
+    where: what was saved, for the message.
+    ordered: the saved order counts (a local copy's manifest), else only
+      the set of paths (Orbax's metadata).
+
+  Raises:
+    StateMismatchError: naming the first mismatch.
+  """
   if ordered:
     check_tree(saved, paths, where)
   elif set(saved) != set(paths):
@@ -74,9 +106,18 @@ def check_state(
 def replica_problem(
   paths: Sequence[str], leaves: Sequence[Any], mesh, replica_axis: str
 ) -> str | None:
-  """Why no single slice holds a full copy of `leaves`, or None: every leaf
-  must be a NamedSharding on `mesh` (or on any mesh, if None), not sharded
-  over the replica axis."""
+  """Why no single slice holds a full copy of `leaves`: every leaf must be a
+  NamedSharding on `mesh`, not sharded over the replica axis.
+
+  Args:
+    paths: the leaves' paths, for the message.
+    leaves: arrays or abstract leaves, with their shardings.
+    mesh: the manager's mesh (None: any mesh).
+    replica_axis: the replica axis's name.
+
+  Returns:
+    The reason for the first leaf that breaks the rule, or None.
+  """
   from jax.sharding import NamedSharding  # noqa: PLC0415
 
   for path, leaf in zip(paths, leaves):
@@ -96,8 +137,18 @@ def replica_problem(
 
 
 def check_replicated(paths: Sequence[str], leaves: Sequence[Any], replica_axis: str) -> None:
-  """Raises TopologyError unless every leaf is replicated over the replica
-  axis (then the primary slice alone holds a full copy: replica 0's shards)."""
+  """Checks that the primary slice alone holds a full copy (replica 0's
+  shards).
+
+  Args:
+    paths: the leaves' paths, for the message.
+    leaves: arrays or abstract leaves, with their shardings.
+    replica_axis: the replica axis's name.
+
+  Raises:
+    TopologyError: a leaf is not a NamedSharding, or is sharded over the
+      replica axis.
+  """
   problem = replica_problem(paths, leaves, None, replica_axis)
   if problem:
     raise TopologyError(
@@ -107,7 +158,14 @@ def check_replicated(paths: Sequence[str], leaves: Sequence[Any], replica_axis: 
 
 
 def as_numpy_dtype(dtype: Any) -> np.dtype:
-  """`dtype` as numpy's (jax's extended dtypes included)."""
+  """`dtype` as numpy's (jax's extended dtypes included).
+
+  Args:
+    dtype: anything jnp.dtype accepts.
+
+  Returns:
+    The numpy dtype.
+  """
   import jax.numpy as jnp  # noqa: PLC0415
 
   return np.dtype(jnp.dtype(dtype))

@@ -8,9 +8,11 @@ does, until something sends it SIGKILL). Unset (production), `hit` is
 one dict lookup.
 
 Points: local.before_write, local.mid_write, local.before_rename,
-local.after_rename (local_tier), state.before_write, state.before_commit
-(state_store), persistent.before_save, persistent.after_save_call,
-persistent.after_finalize (persistent_tier).
+local.after_rename (the local tier), state.before_write,
+state.before_commit (the state store), persistent.before_save,
+persistent.after_save_call, persistent.after_finalize (the persistent tier).
+
+Called by: the tiers and the state store, at those points; no I/O.
 """
 
 from __future__ import annotations
@@ -23,8 +25,18 @@ ACTIONS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
 
 
 def parse(spec: str) -> dict[tuple[str, int], str]:
-  """{(name, step): action} of an EC_FAILPOINTS value. Raises ValueError on a
-  malformed item (a typo must not silently disarm a crash test)."""
+  """Parses an EC_FAILPOINTS value.
+
+  Args:
+    spec: "name@step[:action][,...]".
+
+  Returns:
+    {(name, step): action}.
+
+  Raises:
+    ValueError: a malformed item (a typo must not silently disarm a crash
+      test).
+  """
   out = {}
   for item in filter(None, (s.strip() for s in spec.split(","))):
     point, _, action = item.partition(":")
@@ -42,7 +54,12 @@ _ARMED = parse(os.environ.get("EC_FAILPOINTS", ""))
 
 
 def hit(name: str, step: int | None) -> None:
-  """Kills (or stops) this process if `name@step` is armed."""
+  """Kills (or stops) this process if `name@step` is armed.
+
+  Args:
+    name: the point's name (e.g. "local.mid_write").
+    step: the step being saved (None: points not tied to a step).
+  """
   if _ARMED and (name, step) in _ARMED:
     if _ARMED[(name, step)] == "kill":
       os.kill(os.getpid(), signal.SIGKILL)
@@ -56,5 +73,13 @@ def hit(name: str, step: int | None) -> None:
 
 
 def armed(name: str, step: int | None) -> bool:
-  """True if `name@step` is armed (to make a write stop halfway, say)."""
+  """Whether `name@step` is armed (to make a write stop halfway, say).
+
+  Args:
+    name: the point's name.
+    step: the step being saved.
+
+  Returns:
+    True if armed.
+  """
   return (name, step) in _ARMED

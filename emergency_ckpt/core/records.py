@@ -30,16 +30,36 @@ class _Bounded:
     self._items: dict[int, Any] = {}
 
   def put(self, step: int, value: Any) -> None:
+    """Remembers `value` for `step`, dropping the oldest steps over the cap.
+
+    Args:
+      step: the step.
+      value: what to remember.
+    """
     with self._lock:
       self._items[step] = value
       while len(self._items) > self._cap:
         del self._items[min(self._items)]
 
   def get(self, step: int, default: Any = None) -> Any:
+    """What is remembered for `step`.
+
+    Args:
+      step: the step.
+      default: returned if nothing is.
+
+    Returns:
+      The value, or `default`.
+    """
     with self._lock:
       return self._items.get(step, default)
 
   def pop(self, step: int) -> None:
+    """Forgets `step` (nothing if unknown).
+
+    Args:
+      step: the step.
+    """
     with self._lock:
       self._items.pop(step, None)
 
@@ -69,7 +89,11 @@ class StepRecords:
     """step -> True once the persistent tier finalized it."""
 
   def sizes(self) -> dict[str, int]:
-    """How many steps each map holds (for tests and debugging)."""
+    """How many steps each map holds (for tests and debugging).
+
+    Returns:
+      {map name: its step count}.
+    """
     return {
       "metrics": len(self.metrics),
       "info": len(self.info),
@@ -78,13 +102,28 @@ class StepRecords:
     }
 
   def forget(self, step: int) -> None:
-    """Drops everything about `step` (after delete())."""
+    """Drops everything about `step` (after delete()).
+
+    Args:
+      step: the step.
+    """
     for m in (self.metrics, self.info, self.started, self.persistent_final):
       m.pop(step)
 
 
 def check_metrics(metrics: Any) -> dict:
-  """save(metrics=...) as {name: float}; MetricsError naming what is wrong."""
+  """Checks and converts save(metrics=...).
+
+  Args:
+    metrics: None, or a dict of name -> number (numpy / jax scalars too).
+
+  Returns:
+    {name: float} ({} for None).
+
+  Raises:
+    MetricsError: not a dict, a key that is not a str, or a value that is
+      not a finite number.
+  """
   if metrics is None:
     return {}
   if not isinstance(metrics, dict):

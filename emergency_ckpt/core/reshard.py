@@ -8,15 +8,20 @@ What a receiver must know is where each saved shard lives, for every saved
 process, without any process listing them all (at thousands of processes
 that table would be O(shards) for everyone). So each local save records
 how it was sharded, in O(leaves + devices per slice):
-- per leaf, its NamedSharding's PartitionSpec (`spec_of`; recorded only if
-  `block_index` reproduces the shard indices JAX gave this process);
-- the slice grid: the slice position of the process owning each device of
-  the writer's slice (the mesh without its replica axis).
+- per leaf, its NamedSharding's PartitionSpec (`shards.spec_of`; recorded
+  only if `shards.block_index` reproduces the shard indices JAX gave this
+  process);
+- the slice grid (Topology.slice_grid): the slice position of the process
+  owning each device of the writer's slice (the mesh without its replica
+  axis).
 From those, `SavedLayout` derives every saved process's shards, and
 `plan_pieces` cuts each new shard into pieces (a saved shard, a box) from a
 copy this process holds on its host, else from a holder in a source slice.
 The state is replicated over the replica axis, so every saved slice holds
 the whole state and any complete one can serve.
+
+Called by: the restore planner and the reshard transfer (restore/), on
+every process; no collective.
 """
 
 from __future__ import annotations
@@ -32,60 +37,17 @@ import numpy as np
 from emergency_ckpt.core import shards as shards_lib
 
 Index = shards_lib.Index
-SpecJSON = list  # per dimension: None, or the mesh axis names it is split over
-
-
-def spec_of(sharding: Any, shape: Sequence[int]) -> SpecJSON | None:
-  """`sharding`'s PartitionSpec as JSON (padded to the rank), or None if it
-  is not a NamedSharding (such a leaf cannot be resharded from ramdisks)."""
-  spec = getattr(sharding, "spec", None)
-  mesh = getattr(sharding, "mesh", None)
-  if spec is None or mesh is None or not hasattr(mesh, "axis_names"):
-    return None
-  out: SpecJSON = []
-  for d in range(len(shape)):
-    entry = spec[d] if d < len(spec) else None
-    if entry is None:
-      out.append(None)
-    elif isinstance(entry, str):
-      out.append([entry])
-    else:
-      out.append([str(a) for a in entry] or None)
-  return out
-
-
-def block_index(
-  shape: Sequence[int], spec: SpecJSON, sizes: Mapping[str, int], coord: Mapping[str, int]
-) -> Index | None:
-  """The global index of the shard a device at mesh coordinates `coord`
-  holds under `spec` (blocks of equal size, the first named axis the
-  slowest), or None if a split dimension does not divide evenly."""
-  out = []
-  for dim, entry in zip(shape, spec):
-    if not entry:
-      out.append((0, dim))
-      continue
-    n, b = 1, 0
-    for axis in entry:
-      b = b * sizes[axis] + coord[axis]
-      n *= sizes[axis]
-    if dim % n:
-      return None
-    size = dim // n
-    out.append((b * size, (b + 1) * size))
-  return tuple(out)
-
-
-def slice_grid(slice_devices: np.ndarray, slice_processes: Sequence[int]) -> list[int]:
-  """The slice positions of the processes owning each device of one slice
-  (the mesh's devices at that slice's replica coordinate), row-major over
-  the mesh without the replica axis."""
-  position = {p: i for i, p in enumerate(slice_processes)}
-  return [position[int(d.process_index)] for d in np.asarray(slice_devices).flat]
 
 
 def intersect(a: Index, b: Index) -> Index | None:
-  """The overlap of two boxes, or None if they do not overlap."""
+  """The overlap of two boxes.
+
+  Args:
+    a, b: boxes of one array.
+
+  Returns:
+    Their intersection, or None if they do not overlap.
+  """
   out = []
   for (a0, a1), (b0, b1) in zip(a, b):
     lo, hi = max(a0, b0), min(a1, b1)
@@ -96,7 +58,15 @@ def intersect(a: Index, b: Index) -> Index | None:
 
 
 def relative(box: Index, to: Index) -> tuple[slice, ...]:
-  """`box` (global) as slices into the shard at `to`."""
+  """A global box as slices into one shard.
+
+  Args:
+    box: the box (global), inside `to`.
+    to: the shard's global index.
+
+  Returns:
+    The slices into the shard's array.
+  """
   return tuple(slice(a - t, b - t) for (a, b), (t, _) in zip(box, to))
 
 
@@ -110,13 +80,20 @@ class SavedLayout:
   axis_sizes: tuple[int, ...]
   grid: tuple[int, ...]
   """Slice position of each device's process, row-major over axis_sizes."""
-  leaves: tuple[tuple[str, tuple[int, ...], str, SpecJSON | None], ...]
+  leaves: tuple[tuple[str, tuple[int, ...], str, shards_lib.SpecJSON | None], ...]
   """Per saved leaf: (path, shape, dtype name, spec or None)."""
 
   @classmethod
   def from_manifest(cls, body: Mapping[str, Any]) -> SavedLayout | None:
-    """The layout a local step's manifest records, or None if it records
-    none (written before resharding existed, or malformed)."""
+    """The layout a local step's manifest records.
+
+    Args:
+      body: the manifest.
+
+    Returns:
+      The layout, or None if it records none (written before resharding
+      existed, or malformed).
+    """
     fp = body.get("topology") or {}
     try:
       names = list(fp["mesh_axis_names"])
@@ -135,6 +112,11 @@ class SavedLayout:
     return cls(tuple(names), tuple(sizes), grid, leaves)
 
   def to_json(self) -> dict:
+    """This layout as JSON (from_json reads it back).
+
+    Returns:
+      A dict of lists.
+    """
     return {
       "axis_names": list(self.axis_names),
       "axis_sizes": list(self.axis_sizes),
@@ -144,6 +126,14 @@ class SavedLayout:
 
   @classmethod
   def from_json(cls, d: Mapping[str, Any]) -> SavedLayout:
+    """The layout to_json wrote.
+
+    Args:
+      d: to_json's dict.
+
+    Returns:
+      The layout.
+    """
     return cls(
       tuple(d["axis_names"]),
       tuple(d["axis_sizes"]),
@@ -154,7 +144,15 @@ class SavedLayout:
   def problem(
     self, paths: Sequence[str], shapes: Sequence[tuple], dtypes: Sequence[str]
   ) -> str | None:
-    """Why this layout cannot feed a state of these leaves, or None."""
+    """Why this layout cannot feed a state of these leaves.
+
+    Args:
+      paths, shapes, dtypes: the restored leaves' paths, shapes and dtype
+        names.
+
+    Returns:
+      The reason for the first leaf that cannot be fed, or None.
+    """
     saved = {p: (s, d, spec) for p, s, d, spec in self.leaves}
     for path, shape, dtype in zip(paths, shapes, dtypes):
       got = saved.get(path)
@@ -181,7 +179,7 @@ class SavedLayout:
       by_index: dict[Index, list[int]] = {}
       for coord, pos in zip(coords, self.grid):
         try:
-          index = block_index(shape, spec, sizes, dict(zip(self.axis_names, coord)))
+          index = shards_lib.block_index(shape, spec, sizes, dict(zip(self.axis_names, coord)))
         except KeyError:  # split over the replica axis: not the same in each slice
           index = None
         if index is None:
@@ -194,11 +192,27 @@ class SavedLayout:
     return out
 
   def holders(self, path: str) -> dict[Index, list[int]]:
-    """{saved shard index: slice positions holding it} of leaf `path`."""
+    """Who holds each saved shard of one leaf.
+
+    Args:
+      path: the leaf's path.
+
+    Returns:
+      {saved shard index: slice positions holding it} ({} if unknown or
+      not reshardable).
+    """
     return self._positions.get(path, {})
 
   def shards_at(self, path: str, position: int) -> list[Index]:
-    """The shard indices of leaf `path` that slice position `position` holds."""
+    """The saved shards one slice position holds.
+
+    Args:
+      path: the leaf's path.
+      position: a slice position.
+
+    Returns:
+      The shard indices of leaf `path` that `position` holds.
+    """
     return [i for i, pos in self.holders(path).items() if position in pos]
 
 
@@ -222,12 +236,22 @@ def plan_pieces(
   held: set[int],
   rank: int,
 ) -> list[Piece]:
-  """Each new shard of `layout` (this process's) cut into pieces of saved
-  shards. `sources`: the saved process lists of the complete saved slices
-  that may serve; `held`: saved processes whose copies are on this host
-  (their pieces are read locally, whatever slice); `rank`: this process's
-  place among the receivers, which spreads remote reads over the source
-  slices and over the positions holding a replicated shard."""
+  """Each new shard of this process cut into pieces of saved shards.
+
+  Args:
+    layout: this process's new Layout.
+    saved: the saved step's layout.
+    sources: the saved process lists of the complete saved slices that
+      may serve.
+    held: saved processes whose copies are on this host (their pieces are
+      read locally, whatever slice).
+    rank: this process's place among the receivers, which spreads remote
+      reads over the source slices and over the positions holding a
+      replicated shard.
+
+  Returns:
+    The pieces, in leaf and slot order.
+  """
   pos_of_held = {}
   for procs in sources:
     for pos, p in enumerate(procs):
@@ -254,7 +278,15 @@ def plan_pieces(
 
 
 def covered(layout: shards_lib.Layout, pieces: Sequence[Piece]) -> str | None:
-  """Why `pieces` do not tile every shard of `layout` exactly, or None."""
+  """Checks that pieces tile every new shard exactly.
+
+  Args:
+    layout: this process's new Layout.
+    pieces: plan_pieces's answer.
+
+  Returns:
+    Why they do not (the first shard short of elements), or None.
+  """
   got: dict[tuple[int, Index], int] = {}
   for p in pieces:
     key = (p.leaf, p.slot.index)

@@ -1,14 +1,21 @@
 """Which shards a process holds, and where each lives in a flat host buffer.
 
 A `Layout` is computed once per (tree paths, shapes, dtypes, shardings) and
-cached: saves of the same train state reuse it and its host buffers.
+cached: saves of the same train state reuse it and its host buffers. A
+leaf's NamedSharding is recorded as JSON (`spec_of`) where `block_index`
+reproduces the shard each device holds, so that another mesh can reshard a
+local copy (core/reshard.py). `assemble` builds global arrays back from
+host shards (the copies the other way are runtime/device_copy.py's).
+
+Called by: every tier and transfer, the staging area and the restore
+paths; no collective, no I/O.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -19,10 +26,23 @@ from emergency_ckpt.errors import StateMismatchError, TopologyError
 
 ALIGN = 64
 Index = tuple[tuple[int, int], ...]
+SpecJSON = list  # per dimension: None, or the mesh axis names it is split over
 
 
 def normalize_index(index: tuple[slice, ...], shape: Sequence[int]) -> Index:
-  """A tuple of slices (possibly with None bounds) as ((start, stop), ...)."""
+  """A shard's index as JAX gives it, as a box.
+
+  Args:
+    index: a tuple of slices (possibly with None bounds; may be shorter
+      than the rank).
+    shape: the global shape.
+
+  Returns:
+    ((start, stop), ...) per dimension.
+
+  Raises:
+    TopologyError: a strided index.
+  """
   out = []
   for dim, sl in zip(shape, index):
     start, stop, step = sl.indices(dim)
@@ -34,11 +54,84 @@ def normalize_index(index: tuple[slice, ...], shape: Sequence[int]) -> Index:
 
 
 def shard_shape(index: Index) -> tuple[int, ...]:
+  """The shape of the shard at `index`.
+
+  Args:
+    index: a box.
+
+  Returns:
+    Its extent per dimension.
+  """
   return tuple(stop - start for start, stop in index)
+
+
+def spec_of(sharding: Any, shape: Sequence[int]) -> SpecJSON | None:
+  """A sharding's PartitionSpec as JSON.
+
+  Args:
+    sharding: a leaf's sharding.
+    shape: the leaf's global shape.
+
+  Returns:
+    Per dimension None or the mesh axis names it is split over (padded to
+    the rank); None if it is not a NamedSharding (such a leaf cannot be
+    resharded from ramdisks).
+  """
+  spec = getattr(sharding, "spec", None)
+  mesh = getattr(sharding, "mesh", None)
+  if spec is None or mesh is None or not hasattr(mesh, "axis_names"):
+    return None
+  out: SpecJSON = []
+  for d in range(len(shape)):
+    entry = spec[d] if d < len(spec) else None
+    if entry is None:
+      out.append(None)
+    elif isinstance(entry, str):
+      out.append([entry])
+    else:
+      out.append([str(a) for a in entry] or None)
+  return out
+
+
+def block_index(
+  shape: Sequence[int], spec: SpecJSON, sizes: Mapping[str, int], coord: Mapping[str, int]
+) -> Index | None:
+  """The shard a device holds under a PartitionSpec (blocks of equal size,
+  the first named axis the slowest).
+
+  Args:
+    shape: the leaf's global shape.
+    spec: spec_of's JSON.
+    sizes: {mesh axis: its size}.
+    coord: {mesh axis: the device's coordinate}.
+
+  Returns:
+    The shard's global index, or None if a split dimension does not divide
+    evenly.
+
+  Raises:
+    KeyError: the spec names an axis missing from `sizes` or `coord`.
+  """
+  out = []
+  for dim, entry in zip(shape, spec):
+    if not entry:
+      out.append((0, dim))
+      continue
+    n, b = 1, 0
+    for axis in entry:
+      b = b * sizes[axis] + coord[axis]
+      n *= sizes[axis]
+    if dim % n:
+      return None
+    size = dim // n
+    out.append((b * size, (b + 1) * size))
+  return tuple(out)
 
 
 @dataclasses.dataclass(frozen=True)
 class ShardSlot:
+  """One shard of a leaf held by this process, and its place in the buffer."""
+
   index: Index
   offset: int
   nbytes: int
@@ -47,32 +140,59 @@ class ShardSlot:
 
 @dataclasses.dataclass(frozen=True)
 class LeafLayout:
+  """One leaf: its path, shape, dtype, and the slots of this process's shards."""
+
   path: str
   shape: tuple[int, ...]
   dtype: np.dtype
   slots: tuple[ShardSlot, ...]
   spec: list | None = None
-  """The NamedSharding's PartitionSpec as JSON (reshard.spec_of), if it
+  """The NamedSharding's PartitionSpec as JSON (spec_of), if it
   reproduces this process's shard indices: recorded in local copies so
   another mesh can reshard them."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
+  """Every leaf's slots in one flat host buffer of `nbytes` (ALIGN-aligned)."""
+
   leaves: tuple[LeafLayout, ...]
   nbytes: int
 
 
 def dtype_name(dtype) -> str:
+  """A dtype's name as recorded in manifests (bfloat16 & co. included).
+
+  Args:
+    dtype: anything jnp.dtype accepts.
+
+  Returns:
+    Its name.
+  """
   return str(jnp.dtype(dtype))
 
 
 def dtype_from_name(name: str) -> np.dtype:
+  """The dtype a recorded name stands for.
+
+  Args:
+    name: dtype_name's answer.
+
+  Returns:
+    The dtype.
+  """
   return jnp.dtype(name)
 
 
 def leaf_paths(tree) -> tuple[list[str], list[Any], Any]:
-  """(keystr paths, leaves, treedef) of a pytree."""
+  """A pytree's leaves with their paths.
+
+  Args:
+    tree: the pytree.
+
+  Returns:
+    (keystr paths, leaves, treedef).
+  """
   flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
   return [jax.tree_util.keystr(p) for p, _ in flat], [x for _, x in flat], treedef
 
@@ -96,11 +216,9 @@ def _layout_cached(key) -> Layout:
 
 
 def _checked_spec(sharding, shape, by_index: dict[Index, list[Any]]) -> list | None:
-  """reshard.spec_of(sharding), if reshard.block_index gives every device
-  of this process the index JAX gives it; else None (not reshardable)."""
-  from emergency_ckpt.core import reshard  # noqa: PLC0415 - reshard imports this module
-
-  spec = reshard.spec_of(sharding, shape)
+  """spec_of(sharding), if block_index gives every device of this process
+  the index JAX gives it; else None (not reshardable)."""
+  spec = spec_of(sharding, shape)
   if spec is None:
     return None
   mesh = sharding.mesh
@@ -111,7 +229,7 @@ def _checked_spec(sharding, shape, by_index: dict[Index, list[Any]]) -> list | N
     for d in devices:
       c = coords.get(d.id)
       try:
-        if c is None or reshard.block_index(shape, spec, sizes, c) != index:
+        if c is None or block_index(shape, spec, sizes, c) != index:
           return None
       except KeyError:
         return None
@@ -119,7 +237,18 @@ def _checked_spec(sharding, shape, by_index: dict[Index, list[Any]]) -> list | N
 
 
 def layout_for(paths: Sequence[str], leaves: Sequence[Any]) -> Layout:
-  """Layout of this process's unique addressable shards (arrays or abstract)."""
+  """The Layout of this process's unique addressable shards (cached).
+
+  Args:
+    paths: the leaves' paths.
+    leaves: jax.Arrays or abstract leaves with shardings.
+
+  Returns:
+    The Layout.
+
+  Raises:
+    StateMismatchError: a leaf without a sharding or a shape.
+  """
   key = []
   for path, leaf in zip(paths, leaves):
     sharding = getattr(leaf, "sharding", None)
@@ -136,101 +265,33 @@ def layout_for(paths: Sequence[str], leaves: Sequence[Any]) -> Layout:
 
 
 def view(buffer: np.ndarray, leaf: LeafLayout, slot: ShardSlot) -> np.ndarray:
-  """The slot's bytes in `buffer`, as an array of the shard's dtype and shape."""
+  """The slot's bytes in a buffer laid out by a Layout.
+
+  Args:
+    buffer: the flat uint8 buffer.
+    leaf: the slot's leaf.
+    slot: the slot.
+
+  Returns:
+    A view of its bytes, as an array of the shard's dtype and shape.
+  """
   raw = buffer[slot.offset : slot.offset + slot.nbytes]
   return raw.view(leaf.dtype).reshape(shard_shape(slot.index))
-
-
-def slot_shards(arrays: Sequence[jax.Array], layout: Layout) -> list[list[jax.Array]]:
-  """Per leaf, the single-device array of each slot (this process's unique shards)."""
-  out = []
-  for arr, leaf in zip(arrays, layout.leaves):
-    by_device = {s.device: s for s in arr.addressable_shards}
-    out.append([by_device[slot.devices[0]].data for slot in leaf.slots])
-  return out
-
-
-@functools.lru_cache(maxsize=64)
-def _copier(n: int):
-  """One jitted program copying n arrays of one device (a copy, not a
-  forwarded input: copy_p's result is a new buffer)."""
-  return jax.jit(lambda xs: [jnp.array(x, copy=True) for x in xs])
-
-
-def device_copies(shards: list[list[jax.Array]]) -> list[list[jax.Array]]:
-  """A device-side copy of `shards` (laid out as slot_shards), one
-  dispatched program per device. Blocks on the dispatch only; raises what
-  the dispatch raises (e.g. out of device memory)."""
-  by_device: dict[Any, list[tuple[int, int]]] = {}
-  for i, per_leaf in enumerate(shards):
-    for j, x in enumerate(per_leaf):
-      by_device.setdefault(x.device, []).append((i, j))
-  out = [list(per_leaf) for per_leaf in shards]
-  for places in by_device.values():
-    copies = _copier(len(places))([shards[i][j] for i, j in places])
-    for (i, j), c in zip(places, copies):
-      out[i][j] = c
-  return out
-
-
-@functools.cache
-def _pinned_host(device) -> Any:
-  """A sharding on `device`'s page-locked host memory, or None where the
-  device has none (CPU devices, older backends)."""
-  try:
-    kinds = {m.kind for m in device.addressable_memories()}
-  except Exception:  # noqa: BLE001 - a backend without memory spaces
-    return None
-  if "pinned_host" not in kinds:
-    return None
-  return jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
-
-
-def off_host(shards: list[list[jax.Array]]) -> bool:
-  """True if every shard lives in accelerator memory (its host copy is then
-  a new buffer, not a view of the array)."""
-  return all(x.device.platform != "cpu" for per_leaf in shards for x in per_leaf)
-
-
-def to_host(shards: list[list[jax.Array]]) -> list[list[np.ndarray]]:
-  """Host copies of `shards` (laid out as slot_shards): from accelerators
-  by DMA into page-locked host memory where the device has it (on an H200,
-  4 GiB in 79 ms against 2.15 s through jax's pageable copy: see
-  benchmarks/results/2026-11-26-device-stall-h200), else jax's own copy;
-  CPU shards as views. Every transfer starts before the first is awaited.
-  Blocks on the transfers."""
-  started = []
-  for per_leaf in shards:
-    row = []
-    for x in per_leaf:
-      pinned = None if x.device.platform == "cpu" else _pinned_host(x.device)
-      if pinned is not None:
-        x = jax.device_put(x, pinned)
-      elif x.device.platform != "cpu":
-        x.copy_to_host_async()
-      row.append(x)
-    started.append(row)
-  return [[np.asarray(x) for x in row] for row in started]
-
-
-def copy_into(hosts: list[list[np.ndarray]], layout: Layout, buffer: np.ndarray) -> None:
-  """Copies host shards (laid out as slot_shards) into `buffer`."""
-  for per_leaf, leaf in zip(hosts, layout.leaves):
-    for x, slot in zip(per_leaf, leaf.slots):
-      np.copyto(view(buffer, leaf, slot), x, casting="no")
-
-
-def fill(shards: list[list[jax.Array]], layout: Layout, buffer: np.ndarray) -> None:
-  """Copies `shards` (laid out as slot_shards, e.g. this process's unique
-  shards) into `buffer` (to_host, then copy_into). Blocks on the copies."""
-  copy_into(to_host(shards), layout, buffer)
 
 
 def assemble(
   abstract, arrays_by_index: dict[Index, np.ndarray], memory_kind: str | None = None
 ) -> jax.Array:
-  """A global jax.Array for `abstract` from this process's host shards, in
-  the devices' `memory_kind` (None: their default memory)."""
+  """A global jax.Array from this process's host shards.
+
+  Args:
+    abstract: the leaf's abstract value (shape, sharding).
+    arrays_by_index: {shard index: host array} for this process's shards.
+    memory_kind: the devices' memory to place them in (None: default).
+
+  Returns:
+    The array (on CPU, aligned host pieces are aliased, not copied).
+  """
   sharding = abstract.sharding
   shape = tuple(abstract.shape)
   devices, pieces = [], []
@@ -249,8 +310,16 @@ def assemble(
 
 
 def assemble_buffer(abstract: Sequence[Any], layout: Layout, buffer: np.ndarray) -> list[jax.Array]:
-  """A global jax.Array per leaf of `abstract` from a host buffer laid out
-  as `layout` (layout_for of the same leaves)."""
+  """Global jax.Arrays from a host buffer.
+
+  Args:
+    abstract: the abstract leaves.
+    layout: layout_for of the same leaves.
+    buffer: the flat buffer laid out by `layout`.
+
+  Returns:
+    One array per leaf.
+  """
   return [
     assemble(a, {slot.index: view(buffer, leaf, slot) for slot in leaf.slots})
     for a, leaf in zip(abstract, layout.leaves)

@@ -1,88 +1,23 @@
-"""Storage paths: local filesystem or gs:// (through etils.epath / gcsfs).
+"""Storage calls the library makes itself, on a local filesystem or gs://
+(through etils.epath / gcsfs): whole-object writes, fresh reads and
+listings, idempotent deletions, GCS listing-cache control and a fail-fast
+bucket probe. On GCS each runs inside gcs_retry.retrying (bounded retries of
+transient errors, typed errors naming the bucket; gcs_retry.py says what
+the clients retry on their own); off GCS each runs once, errors unchanged.
 
-Whole-object writes, GCS listing-cache control, a fail-fast bucket probe, and
-bounded retries of transient GCS errors around every call the library makes
-itself (the state store's JSON, COMMIT markers, listings, deletions).
-
-What the clients retry on their own (read from their sources, proven through
-a fault-injecting proxy in tests/test_gcs_faults.py):
-
-- gcsfs (the state store, through etils.epath): every JSON-API request
-  (`GCSFileSystem._request`: uploads, downloads, listings, object gets,
-  deletes) up to 6 attempts, sleeping min(2**(k-1) + U(0, 1), 32) s between
-  them (about 31 s in all), on HTTP 408, 429, 500-504 (502 as
-  requests.ProxyError), any aiohttp ClientError (connection reset, server
-  disconnected, truncated body), requests connection errors, google.auth
-  RefreshError and checksum mismatches. Never retried: 401 (except "Invalid
-  Credentials"), 403 (an OSError "Forbidden"), 404 (FileNotFoundError), other
-  4xx, and a request that times out (asyncio.TimeoutError).
-- tensorstore (the tensors, through Orbax; `gcs` kvstore, which Orbax opens
-  with the default context): every read, write, list and delete request, on
-  HTTP 408, 409, 429, 500, 502, 503, 504 and curl transport errors
-  (connection reset or refused, empty or partial reply), with the
-  `gcs_request_retries` defaults: 32 retries, 1 s * 2**k apart plus jitter,
-  at most 32 s apart (about 15 minutes in all). Never retried: 401, 403,
-  other 4xx (a 404 on a read is "no such key", not an error).
-
-This module adds, on GCS only, one outer loop (`RetryPolicy`: 4 attempts,
-1-2-4 s of jittered backoff, no new attempt after 180 s) for what outlives
-gcsfs's own retries or is not retried by it (a timeout, a longer outage), and
-makes repeated operations idempotent where a lost response would otherwise
-turn a retry into an error (a DELETE that succeeded but whose answer was lost
-is retried by gcsfs and then gets 404). Each retry is logged at WARNING with
-the bucket and the operation. A permanent error (403, 401, 400, a missing
-bucket) is never retried: it raises StorageError at once, naming the bucket
-and the operation. Off GCS every call runs once, errors unchanged.
+Called by: the state store, the persistent tier and its layout, and the
+CLI's offline tools. Any thread.
 """
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
-import logging
 import os
-import random
-import time
 import uuid
-from collections.abc import Callable
-from typing import TypeVar
 
 from etils import epath
 
+from emergency_ckpt.core.gcs_retry import RetryPolicy, bucket_of, is_gcs, retrying
 from emergency_ckpt.errors import StorageError, StorageNotFoundError
-
-logger = logging.getLogger("emergency_ckpt")
-
-T = TypeVar("T")
-
-TRANSIENT_HTTP = frozenset({408, 429, 500, 502, 503, 504})
-"""HTTP statuses worth retrying (Google's retry strategy for Cloud Storage)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class RetryPolicy:
-  """Bounded exponential backoff with jitter for transient GCS errors.
-
-  Attempt k (k >= 1) failing transiently sleeps U(0.5, 1) * min(max_delay_s,
-  initial_delay_s * 2**(k-1)) before attempt k+1; no attempt starts once
-  `deadline_s` passed since the first. Each attempt already includes gcsfs's
-  own retries (up to ~31 s for a burst of 5xx)."""
-
-  attempts: int = 4
-  initial_delay_s: float = 1.0
-  max_delay_s: float = 10.0
-  deadline_s: float = 180.0
-
-  def delay(self, attempt: int) -> float:
-    base = min(self.max_delay_s, self.initial_delay_s * 2 ** (attempt - 1))
-    return base * random.uniform(0.5, 1.0)
-
-
-DEFAULT_RETRY = RetryPolicy()
-
-
-def is_gcs(path: epath.PathLike) -> bool:
-  return os.fspath(path).startswith("gs://")
 
 
 def forget_listings(path: epath.PathLike) -> None:
@@ -93,6 +28,9 @@ def forget_listings(path: epath.PathLike) -> None:
   the process and refreshes it only after its own writes, so objects that
   OTHER processes wrote since stay invisible: a COMMIT waiting for them would
   time out. Call before listing or probing a shared directory. No-op off GCS.
+
+  Args:
+    path: a folder or object.
   """
   if not is_gcs(path):
     return
@@ -103,195 +41,21 @@ def forget_listings(path: epath.PathLike) -> None:
     fs.dircache.pop(key, None)
 
 
-def bucket_of(path: epath.PathLike) -> str:
-  """The bucket of a gs:// path."""
-  return os.fspath(path).removeprefix("gs://").split("/", 1)[0]
-
-
-# ---- error classification ---------------------------------------------------
-TRANSIENT, MISSING, PERMANENT = "transient", "missing", "permanent"
-
-
-def _status_of(exc: BaseException) -> int | None:
-  """The HTTP status an exception carries (gcsfs HttpError.code, aiohttp
-  ClientResponseError.status), or None."""
-  for attr in ("code", "status"):
-    value = getattr(exc, attr, None)
-    if isinstance(value, str) and value.isdigit():
-      value = int(value)
-    if isinstance(value, int) and not isinstance(value, bool) and 100 <= value <= 599:
-      return value
-  return None
-
-
-def _transport_errors() -> tuple[type[BaseException], ...]:
-  """Exception types of the HTTP stacks under gcsfs that mean "the network or
-  the server hiccuped": retry them."""
-  out: list[type[BaseException]] = [ConnectionError, TimeoutError, asyncio.TimeoutError]
-  try:
-    import aiohttp  # noqa: PLC0415 - only on an error path
-
-    out.append(aiohttp.ClientError)
-  except ImportError:  # pragma: no cover - gcsfs depends on it
-    pass
-  try:
-    import requests  # noqa: PLC0415
-
-    out += [requests.exceptions.ConnectionError, requests.exceptions.Timeout]
-    out += [requests.exceptions.ChunkedEncodingError, requests.exceptions.ContentDecodingError]
-  except ImportError:  # pragma: no cover
-    pass
-  try:
-    from google.auth import exceptions as auth_exceptions  # noqa: PLC0415
-
-    out += [auth_exceptions.TransportError, auth_exceptions.RefreshError]
-  except ImportError:  # pragma: no cover
-    pass
-  try:
-    from gcsfs.retry import ChecksumError  # noqa: PLC0415
-
-    out.append(ChecksumError)
-  except ImportError:  # pragma: no cover
-    pass
-  return tuple(out)
-
-
-def classify(exc: BaseException) -> str:
-  """TRANSIENT (retry it), MISSING (404: the object or prefix is absent) or
-  PERMANENT (403, 401, other 4xx, anything unknown: retrying cannot help)."""
-  if isinstance(exc, StorageError):
-    return MISSING if isinstance(exc, FileNotFoundError) else PERMANENT
-  if isinstance(exc, FileNotFoundError):
-    return MISSING
-  status = _status_of(exc)
-  if status is not None:
-    if status in (404, 410):
-      return MISSING
-    if status in TRANSIENT_HTTP:
-      return TRANSIENT
-    if status == 401 and "invalid credentials" in str(exc).lower():
-      return TRANSIENT  # an expired token: gcsfs refreshes it on the next try
-    return PERMANENT
-  if isinstance(exc, PermissionError):
-    return PERMANENT
-  if isinstance(exc, _transport_errors()):
-    return TRANSIENT
-  return PERMANENT
-
-
-def _brief(exc: BaseException) -> str:
-  text = " ".join(str(exc).split())
-  return f"{type(exc).__name__}: {text[:300]}" if text else type(exc).__name__
-
-
-def _hint(exc: BaseException) -> str:
-  status = _status_of(exc)
-  text = str(exc)
-  if status in (401, 403) or "Forbidden" in text or isinstance(exc, PermissionError):
-    return " Check the credentials and the bucket's IAM permissions (storage.objects.*)."
-  return ""
-
-
-# ---- the retry loop ------------------------------------------------------------
-def retrying(
-  fn: Callable[[], T],
-  *,
-  what: str,
-  path: epath.PathLike,
-  policy: RetryPolicy | None = None,
-) -> T:
-  """Runs `fn` (one operation on `path`), retrying transient GCS errors.
-
-  `what` names the operation for logs and errors ("writing", "listing"...).
-  Off GCS, runs `fn` once and lets its errors through unchanged. On GCS:
-  transient errors are retried per `policy` (each retry logged at WARNING
-  with bucket and operation), then raise StorageError; a missing object
-  raises StorageNotFoundError (a FileNotFoundError) at once; any other error
-  raises StorageError at once. Exceptions that are not storage errors (a
-  bug: TypeError, say) propagate unchanged.
-  """
-  if not is_gcs(path):
-    return fn()
-  policy = policy or DEFAULT_RETRY
-  bucket = bucket_of(path)
-  where = f"{what} {os.fspath(path)}"
-  t0 = time.monotonic()
-  attempt = 0
-  while True:
-    attempt += 1
-    try:
-      return fn()
-    except StorageError:
-      raise
-    except Exception as e:  # noqa: BLE001 - classified below
-      kind = classify(e)
-      if kind == MISSING:
-        raise StorageNotFoundError(
-          f"{where} failed: not found in GCS bucket {bucket!r} ({_brief(e)})."
-        ) from e
-      if kind == PERMANENT:
-        if not _is_storage_exception(e):
-          raise  # not a storage error at all (a bug): unchanged
-        raise StorageError(
-          f"{where} failed on GCS bucket {bucket!r}: {_brief(e)} (a permanent error; not"
-          f" retried).{_hint(e)}"
-        ) from e
-      elapsed = time.monotonic() - t0
-      delay = policy.delay(attempt)
-      if attempt >= policy.attempts or elapsed + delay > policy.deadline_s:
-        raise StorageError(
-          f"{where} failed on GCS bucket {bucket!r} after {attempt} attempts in"
-          f" {elapsed:.0f}s of transient errors (each attempt includes the client's own"
-          f" retries); the last: {_brief(e)}. Check the bucket's availability and the"
-          " network."
-        ) from e
-      logger.warning(
-        "GCS bucket %r: %s failed (attempt %d of %d: %s); retrying in %.1fs",
-        bucket,
-        where,
-        attempt,
-        policy.attempts,
-        _brief(e),
-        delay,
-      )
-      time.sleep(delay)
-
-
-def _is_storage_exception(exc: BaseException) -> bool:
-  """OSError (gcsfs's 403, 404, 412), ValueError (its 400), gcsfs's HttpError
-  (a bare Exception) and the transport errors: what a storage call raises."""
-  if isinstance(exc, (OSError, ValueError, *_transport_errors())):
-    return True
-  try:
-    from gcsfs.retry import HttpError  # noqa: PLC0415
-  except ImportError:  # pragma: no cover
-    return False
-  return isinstance(exc, HttpError)
-
-
-def translate(exc: BaseException, *, what: str, path: epath.PathLike) -> BaseException:
-  """The error to raise for `exc` from a storage call we do not drive
-  ourselves (Orbax's upload, which retries through its own clients): on GCS a
-  storage failure becomes a StorageError naming the bucket and operation;
-  anything else (a barrier timeout, a bug) is returned unchanged."""
-  if not is_gcs(path) or isinstance(exc, StorageError) or not _is_storage_exception(exc):
-    return exc
-  bucket = bucket_of(path)
-  if classify(exc) == TRANSIENT:
-    detail = "transient errors outlasted the client's own retries"
-    hint = " Check the bucket's availability and the network."
-  else:
-    detail = "a permanent error; not retried"
-    hint = _hint(exc)
-  return StorageError(
-    f"{what} {os.fspath(path)} failed on GCS bucket {bucket!r}: {_brief(exc)} ({detail}).{hint}"
-  )
-
-
-# ---- wrappers: what the state store and the manager call ------------------------
+# ---- the calls: what the state store and the persistent tier make ------------
 def write_bytes(path: epath.PathLike, data: bytes, *, policy: RetryPolicy | None = None) -> None:
   """Whole-or-nothing write: rename on filesystems, one upload on GCS (an
-  overwrite, so a retry after a lost answer is harmless)."""
+  overwrite, so a retry after a lost answer is harmless).
+
+  Args:
+    path: the file or object.
+    data: its bytes.
+    policy: the GCS retry policy (default: gcs_retry.DEFAULT_RETRY).
+
+  Raises:
+    StorageError: on GCS, a permanent error or transient errors that
+      outlasted the retries (naming the bucket and the operation).
+    OSError: off GCS, what the filesystem raises.
+  """
   path = epath.Path(path)
   if is_gcs(path):
     # One multipart upload (gcsfs's file objects use two requests, a
@@ -315,8 +79,21 @@ def write_bytes(path: epath.PathLike, data: bytes, *, policy: RetryPolicy | None
 
 
 def read_bytes(path: epath.PathLike, *, policy: RetryPolicy | None = None) -> bytes:
-  """The object's bytes, read fresh. Raises FileNotFoundError if it is absent
-  (on GCS a StorageNotFoundError, which also names bucket and operation)."""
+  """The object's bytes, read fresh.
+
+  Args:
+    path: the file or object.
+    policy: the GCS retry policy (default: gcs_retry.DEFAULT_RETRY).
+
+  Returns:
+    Its bytes.
+
+  Raises:
+    FileNotFoundError: it is absent (on GCS a StorageNotFoundError, which
+      also names bucket and operation).
+    StorageError: on GCS, another permanent error or transient errors that
+      outlasted the retries.
+  """
   path = epath.Path(path)
 
   if not is_gcs(path):
@@ -330,8 +107,19 @@ def read_bytes(path: epath.PathLike, *, policy: RetryPolicy | None = None) -> by
 
 
 def list_names(path: epath.PathLike, *, policy: RetryPolicy | None = None) -> list[str]:
-  """Names of the entries of folder `path` (a fresh listing, never gcsfs's
-  cache); [] if the folder is absent."""
+  """The entries of a folder, listed fresh (never gcsfs's cache).
+
+  Args:
+    path: the folder.
+    policy: the GCS retry policy (default: gcs_retry.DEFAULT_RETRY).
+
+  Returns:
+    Their names, sorted; [] if the folder is absent.
+
+  Raises:
+    StorageError: on GCS, a permanent error or transient errors that
+      outlasted the retries (naming the bucket and the operation).
+  """
   path = epath.Path(path)
 
   def listing() -> list[str]:
@@ -345,7 +133,19 @@ def list_names(path: epath.PathLike, *, policy: RetryPolicy | None = None) -> li
 
 
 def exists(path: epath.PathLike, *, policy: RetryPolicy | None = None) -> bool:
-  """Whether `path` (an object or a non-empty folder) exists, asked fresh."""
+  """Whether an object or a non-empty folder exists, asked fresh.
+
+  Args:
+    path: the object or folder.
+    policy: the GCS retry policy (default: gcs_retry.DEFAULT_RETRY).
+
+  Returns:
+    True if it exists.
+
+  Raises:
+    StorageError: on GCS, a permanent error or transient errors that
+      outlasted the retries (naming the bucket and the operation).
+  """
   path = epath.Path(path)
 
   def probe() -> bool:
@@ -357,14 +157,32 @@ def exists(path: epath.PathLike, *, policy: RetryPolicy | None = None) -> bool:
 
 def unlink(path: epath.PathLike, *, policy: RetryPolicy | None = None) -> None:
   """Deletes one object; absent is fine (a retried DELETE whose first answer
-  was lost gets 404)."""
+  was lost gets 404).
+
+  Args:
+    path: the file or object.
+    policy: the GCS retry policy (default: gcs_retry.DEFAULT_RETRY).
+
+  Raises:
+    StorageError: on GCS, a permanent error or transient errors that
+      outlasted the retries (naming the bucket and the operation).
+  """
   path = epath.Path(path)
   retrying(lambda: path.unlink(missing_ok=True), what="deleting", path=path, policy=policy)
 
 
 def rmtree(path: epath.PathLike, *, policy: RetryPolicy | None = None) -> None:
   """Deletes a folder and everything under it; absent is fine. A retry lists
-  afresh, so it deletes only what an interrupted attempt left."""
+  afresh, so it deletes only what an interrupted attempt left.
+
+  Args:
+    path: the folder.
+    policy: the GCS retry policy (default: gcs_retry.DEFAULT_RETRY).
+
+  Raises:
+    StorageError: on GCS, a permanent error or transient errors that
+      outlasted the retries (naming the bucket and the operation).
+  """
   path = epath.Path(path)
 
   def remove() -> None:
@@ -377,12 +195,20 @@ def rmtree(path: epath.PathLike, *, policy: RetryPolicy | None = None) -> None:
 def check_bucket(
   path: epath.PathLike, operation: str, *, policy: RetryPolicy | None = None
 ) -> None:
-  """Raises StorageError naming the bucket and `operation` unless `path`'s
-  bucket exists and its objects can be listed (one request, retried if
-  transient). No-op off GCS.
+  """Checks that `path`'s bucket exists and its objects can be listed (one
+  request, retried if transient). No-op off GCS. Without it a missing
+  bucket surfaces as a bare FileNotFoundError on an upload URL in one
+  process, while the others wait in barriers.
 
-  Without it a missing bucket surfaces as a bare FileNotFoundError on an
-  upload URL in one process, while the others wait in barriers."""
+  Args:
+    path: a gs:// path in the bucket.
+    operation: what the caller is doing, for the message.
+    policy: the GCS retry policy (default: gcs_retry.DEFAULT_RETRY).
+
+  Raises:
+    StorageError: the bucket is missing or cannot be listed (naming it and
+      `operation`).
+  """
   if not is_gcs(path):
     return
   bucket = bucket_of(path)

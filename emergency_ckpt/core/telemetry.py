@@ -27,6 +27,9 @@ e.g. "train_step" with step and duration_s):
 
 Recording never raises on I/O failure: the first failure is logged as a
 warning and the event still goes to the logger.
+
+Called by: the manager, the orchestrators and the tiers (recording, any
+thread), and the CLI's report (reading).
 """
 
 from __future__ import annotations
@@ -77,8 +80,14 @@ def _show(value: Any) -> str:
 
 
 def format_event(record: dict) -> str:
-  """The readable line of an event: `[process=i][slice=s] event key=value ...`
-  (None values left out)."""
+  """The readable line of an event.
+
+  Args:
+    record: an event record.
+
+  Returns:
+    `[process=i][slice=s] event key=value ...` (None values left out).
+  """
   head = f"[process={record.get('process')}][slice={record.get('slice')}] {record.get('event')}"
   parts = [
     f"{k}={_show(v)}"
@@ -99,8 +108,14 @@ class EventLog:
   """
 
   def __init__(self, path: str | os.PathLike | None, *, process: int, slice: int):
-    """`path`: the JSON-lines file ("{process}" in it becomes `process`), or
-    None for Python logging only."""
+    """Opens the log (a failure to open is logged, not raised).
+
+    Args:
+      path: the JSON-lines file ("{process}" in it becomes `process`), or
+        None for Python logging only.
+      process: this process's index, in every record.
+      slice: this process's slice, in every record.
+    """
     self.path = None if path is None else os.fspath(path).replace("{process}", str(process))
     self.process = process
     self.slice = slice
@@ -128,8 +143,18 @@ class EventLog:
       )
 
   def record(self, event: str, **fields: Any) -> dict:
-    """Records one event; returns the record (a dict). Never raises on I/O
-    failure. `fields` may not use the names time, process or slice."""
+    """Records one event. Never raises on I/O failure.
+
+    Args:
+      event: the event's name ("save", "restore", ...).
+      **fields: its fields (not named event, time, process or slice).
+
+    Returns:
+      The record (a dict).
+
+    Raises:
+      ValueError: a field uses a reserved name.
+    """
     clash = [k for k in RESERVED if k in fields]
     if clash:
       raise ValueError(f"event fields {clash} are reserved; EventLog sets them")
@@ -199,10 +224,19 @@ def _expand(path_or_paths: str | os.PathLike | Iterable[str | os.PathLike]) -> l
 
 
 def read_events(path_or_paths: str | os.PathLike | Iterable[str | os.PathLike]) -> list[dict]:
-  """Every event of one or more JSON-lines files (a folder: its *.jsonl files),
-  sorted by time (stable). A torn last line (a crash mid-write) is skipped;
-  other unreadable lines are skipped with a warning. Raises OSError if a file
-  cannot be read."""
+  """Every event of one or more JSON-lines files. A torn last line (a crash
+  mid-write) is skipped; other unreadable lines are skipped with a warning.
+
+  Args:
+    path_or_paths: a file, a folder (its *.jsonl and *.ndjson files), or
+      several.
+
+  Returns:
+    The events, sorted by time (stable).
+
+  Raises:
+    OSError: a file cannot be read.
+  """
   events: list[dict] = []
   for path in _expand(path_or_paths):
     with open(path, encoding="utf-8", errors="replace") as f:

@@ -17,7 +17,7 @@ Called by: each process, once, before MaxText creates its checkpoint manager
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 _log = logging.getLogger(__name__)
@@ -26,9 +26,20 @@ _FACTORY = "create_emergency_checkpoint_manager"
 _ALIAS = "create_orbax_emergency_checkpoint_manager"
 
 
-def make_factory(*, replica_axis: str | int | None = None, overrides: Iterable[str] = ()):
+def make_factory(
+  *, replica_axis: str | int | None = None, overrides: Iterable[str] = ()
+) -> Callable[..., Any]:
   """A drop-in for MaxText's create_emergency_checkpoint_manager (same
-  signature) that returns the orbax_emergency facade."""
+  signature) that returns the orbax_emergency facade. Called by: install()
+  (or a caller wiring MaxText by hand). Blocks on nothing.
+
+  Args:
+    replica_axis: the mesh axis whose entries are slices (None: found).
+    overrides: emergency_ckpt options, "key.sub=value".
+
+  Returns:
+    The factory; it builds the facade on every process (a collective).
+  """
   overrides = tuple(overrides)
 
   def create_emergency_checkpoint_manager(
@@ -40,7 +51,22 @@ def make_factory(*, replica_axis: str | int | None = None, overrides: Iterable[s
     persistent_save_interval_steps: int,
     orbax_logger: Any = None,
   ):
-    """Builds emergency_ckpt's Orbax-compatible manager for MaxText (every process)."""
+    """Builds emergency_ckpt's Orbax-compatible manager for MaxText.
+    Called by: MaxText, on every process (a collective).
+
+    Args:
+      local_checkpoint_dir: the ramdisk directory.
+      persistent_checkpoint_dir: the persistent directory.
+      global_mesh: MaxText's mesh.
+      abstract_state: the train state's abstract tree (an NNX state is
+        saved in its Linen layout, as MaxText's own factory does).
+      local_save_interval_steps: the local tier's interval.
+      persistent_save_interval_steps: the persistent tier's interval.
+      orbax_logger: accepted, not used.
+
+    Returns:
+      The orbax_emergency facade.
+    """
     del orbax_logger
     from flax import nnx  # noqa: PLC0415
     from maxtext.common import train_state_nnx  # noqa: PLC0415
@@ -74,12 +100,20 @@ def make_factory(*, replica_axis: str | int | None = None, overrides: Iterable[s
 def install(*, replica_axis: str | int | None = None, overrides: Iterable[str] = ()) -> None:
   """Makes MaxText's emergency checkpointing run on emergency_ckpt.
 
-  `replica_axis`: the mesh axis whose entries are slices; None finds it
-  (the first axis of size > 1 made of whole processes over which the state
-  is replicated: `data` when `dcn_data_parallelism` > 1, see
-  replica_axis.py). `overrides`: emergency_ckpt options, "key.sub=value"
-  (e.g. "local.max_to_keep=3", "event_log=/tmp/ckpt_{process}.jsonl").
-  Idempotent: a second call replaces the first's settings.
+  Idempotent: a second call replaces the first's settings. Called by: each
+  process, before MaxText creates its checkpoint manager. Blocks on
+  importing MaxText's checkpointing modules.
+
+  Args:
+    replica_axis: the mesh axis whose entries are slices; None finds it
+      (the first axis of size > 1 made of whole processes over which the
+      state is replicated: `data` when `dcn_data_parallelism` > 1, see
+      replica_axis.py).
+    overrides: emergency_ckpt options, "key.sub=value" (e.g.
+      "local.max_to_keep=3", "event_log=/tmp/ckpt_{process}.jsonl").
+
+  Raises:
+    ImportError: MaxText is not importable.
   """
   try:
     from maxtext.common import checkpointing, emergency_checkpointing  # noqa: PLC0415
@@ -96,7 +130,13 @@ def install(*, replica_axis: str | int | None = None, overrides: Iterable[str] =
 def main() -> None:
   """`python -m emergency_ckpt.integrations.maxtext CONFIG.yml key=value ...`:
   MaxText's own train entry point (`maxtext.trainers.pre_train.train`, same
-  arguments, same jax.distributed set-up) with install() done first."""
+  arguments, same jax.distributed set-up) with install() done first.
+  Called by: every process of the job (the command line). Blocks on the
+  whole training run.
+
+  Raises:
+    ImportError: MaxText (or absl) is not importable.
+  """
   from absl import app  # noqa: PLC0415
   from maxtext.trainers.pre_train import train  # noqa: PLC0415
 

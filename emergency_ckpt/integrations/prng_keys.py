@@ -19,7 +19,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 
 def is_key(leaf: Any) -> bool:
-  """True for a typed PRNG key array or its abstract (ShapeDtypeStruct)."""
+  """Whether `leaf` is a typed PRNG key.
+
+  Args:
+    leaf: an array, an abstract leaf, or anything else.
+
+  Returns:
+    True for a typed PRNG key array or its abstract (ShapeDtypeStruct).
+  """
   dtype = getattr(leaf, "dtype", None)
   return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
@@ -31,13 +38,28 @@ def _impl(leaf: Any):
 
 
 def to_data(tree: Any) -> Any:
-  """Each key leaf -> its key data; other leaves unchanged."""
+  """The tree to save: each key leaf as its key data.
+
+  Args:
+    tree: the train state.
+
+  Returns:
+    `tree`, each key leaf replaced by jax.random.key_data of it.
+  """
   return jax.tree_util.tree_map(lambda x: jax.random.key_data(x) if is_key(x) else x, tree)
 
 
 def abstract_data(abstract: Any) -> Any:
-  """Each abstract key leaf -> the abstract of its key data (same sharding
-  on the leading dimensions, the key's own dimensions unsharded)."""
+  """The abstract tree to restore onto: each key leaf as its key data's.
+
+  Args:
+    abstract: the abstract train state (ShapeDtypeStruct leaves).
+
+  Returns:
+    `abstract`, each key leaf replaced by the abstract of its key data
+    (same sharding on the leading dimensions, the key's own dimensions
+    unsharded).
+  """
 
   def one(leaf):
     if not is_key(leaf):
@@ -54,7 +76,16 @@ def abstract_data(abstract: Any) -> Any:
 
 
 def from_data(tree: Any, abstract: Any) -> Any:
-  """Re-wraps the key data of each leaf that is a key in `abstract`."""
+  """The restored tree with its keys back.
+
+  Args:
+    tree: the restored tree (key data where `abstract` has keys).
+    abstract: the abstract train state, with the key leaves.
+
+  Returns:
+    `tree`, the key data of each leaf that is a key in `abstract` wrapped
+    with that leaf's key implementation.
+  """
   return jax.tree_util.tree_map(
     lambda a, x: jax.random.wrap_key_data(x, impl=_impl(a)) if is_key(a) else x, abstract, tree
   )

@@ -44,7 +44,16 @@ def _whole_processes(devices: np.ndarray, axis: int) -> bool:
 
 
 def axis_problem(mesh: jax.sharding.Mesh, axis: int, abstract_state: Any) -> str | None:
-  """Why `axis` cannot hold the slices, or None if it can."""
+  """Why a mesh axis cannot hold the slices.
+
+  Args:
+    mesh: the device mesh.
+    axis: the axis's index.
+    abstract_state: the train state (its leaves' shardings).
+
+  Returns:
+    The reason, or None if it can.
+  """
   name = str(mesh.axis_names[axis])
   devices = np.asarray(mesh.devices)
   if not _whole_processes(devices, axis):
@@ -59,11 +68,20 @@ def find_replica_axis(
 ) -> str:
   """The name of the mesh axis whose entries are slices.
 
-  `preferred` (a name or index, e.g. Orbax's `replica_axis_index`) wins if
-  its size is > 1 and it can hold slices; a preferred axis of size > 1 that
-  cannot raises TopologyError. Otherwise the first axis (in mesh order) of
-  size > 1 that can; if none, the preferred axis (or axis 0): one slice,
-  local + persistent tiers, no peer.
+  Args:
+    mesh: the device mesh.
+    abstract_state: the train state (its leaves' shardings).
+    preferred: a name or index (e.g. Orbax's `replica_axis_index`): it wins
+      if its size is > 1 and it can hold slices.
+
+  Returns:
+    The preferred axis if it can; otherwise the first axis (in mesh order)
+    of size > 1 that can; if none, the preferred axis (or axis 0): one
+    slice, local + persistent tiers, no peer.
+
+  Raises:
+    TopologyError: `preferred` is not an axis of the mesh, or has size > 1
+      and cannot hold slices.
   """
   names = [str(n) for n in mesh.axis_names]
   sizes = dict(zip(names, np.asarray(mesh.devices).shape))

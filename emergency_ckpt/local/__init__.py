@@ -1,1 +1,1 @@
-"""The local tier: each process's shards on its node-local ramdisk, their format, the Orbax handler, reading and verifying a step, and folder ownership."""
+"""The local tier: each process's shards on its node-local ramdisk (tier), their format, the Orbax handler and checkpointer, reading and verifying a step, spare files, folder ownership and walking, the copies other processes left on this host (discovery), and the partner copies and parity blocks a folder keeps for others (blocks)."""

@@ -2,11 +2,12 @@
 
 A step folder holds `shards.bin` (this process's shards, raw, each at a
 64-byte aligned offset) and `manifest.json`: the tree's leaves with shapes,
-dtypes and, per shard, its global index, offset, size and CRC32C (hardware,
-~8 GB/s here; zlib's CRC32 was 3x slower and a third of a local save). The
-manifest carries a CRC32 over its own canonical body. Reads map shards.bin
-privately (copy-on-write: nothing is copied, and writes through the arrays
-never reach the file) and verify every shard they hand out.
+dtypes and, per shard, its global index, offset, size and CRC32C (computed
+in hardware; zlib's CRC32, used before, was much slower and a large part of
+a local save's time). The manifest carries a CRC32 over its own canonical
+body. Reads map shards.bin privately (copy-on-write: nothing is copied, and
+writes through the arrays never reach the file) and verify every shard they
+hand out. A copy checked while it arrives: incoming.py.
 
 Any process, or an offline tool, may call these functions.
 """
@@ -37,13 +38,28 @@ MANIFEST = layout.MANIFEST_FILE
 
 
 def shard_checksum(data) -> dict:
-  """The checksum record of one shard's bytes (any buffer)."""
+  """The checksum record of one shard's bytes.
+
+  Args:
+    data: the bytes (any buffer).
+
+  Returns:
+    {"crc32c": its CRC32C}.
+  """
   return {"crc32c": crc32c.crc32c(data)}
 
 
 def checksum_ok(data, record: dict) -> bool:
-  """True if `data` matches the shard record's checksum (CRC32C, or the
-  CRC32 of manifests written before 0.2)."""
+  """Whether bytes match a shard record's checksum.
+
+  Args:
+    data: the bytes (any buffer).
+    record: a manifest's shard record: its CRC32C, or the CRC32 of
+      manifests written before 0.2.
+
+  Returns:
+    True if they match; False if they differ or the record has neither.
+  """
   if "crc32c" in record:
     return crc32c.crc32c(data) == record["crc32c"]
   if "crc32" in record:
@@ -56,12 +72,30 @@ def _canonical(body: dict) -> bytes:
 
 
 def encode_manifest(body: dict) -> bytes:
+  """The manifest file's bytes for a body, with the CRC32 of its canonical form.
+
+  Args:
+    body: the manifest body (manifest_body).
+
+  Returns:
+    The file's bytes.
+  """
   return json.dumps({"body": body, "crc32": zlib.crc32(_canonical(body))}).encode()
 
 
 def decode_manifest(raw: bytes, where: str) -> dict:
-  """The manifest's body; CorruptCheckpointError if it is torn, altered or
-  of an unknown format."""
+  """The body of a manifest file's bytes, checked.
+
+  Args:
+    raw: the file's bytes.
+    where: names it in errors.
+
+  Returns:
+    The body.
+
+  Raises:
+    CorruptCheckpointError: it is torn, altered or of an unknown format.
+  """
   try:
     doc = json.loads(raw)
     body = doc["body"]
@@ -76,17 +110,56 @@ def decode_manifest(raw: bytes, where: str) -> dict:
 
 
 def read_manifest(step_dir: str) -> dict:
-  """decode_manifest of `step_dir`'s manifest (OSError if absent)."""
+  """decode_manifest of a step folder's manifest.
+
+  Args:
+    step_dir: the step's folder.
+
+  Returns:
+    The body.
+
+  Raises:
+    OSError: it is absent.
+    CorruptCheckpointError: it is torn, altered or of an unknown format.
+  """
   path = os.path.join(step_dir, MANIFEST)
   with open(path, "rb") as f:
     return decode_manifest(f.read(), path)
 
 
+def raw_manifest(step_dir: str) -> bytes:
+  """The manifest file of a step folder, as written (not decoded).
+
+  Called by: the save pipeline, sending a step's manifest to its partner or
+  XOR group (who store the bytes as they are).
+
+  Args:
+    step_dir: the step's folder.
+
+  Returns:
+    The manifest's bytes.
+
+  Raises:
+    OSError: it is absent or unreadable.
+  """
+  with open(os.path.join(step_dir, MANIFEST), "rb") as f:
+    return f.read()
+
+
 def manifest_body(
   layout: shards_lib.Layout, crcs: Sequence[Sequence[int]], *, step: int, **identity: Any
 ) -> dict:
-  """The manifest of a step written from `layout` with these per-shard
-  CRC32Cs. `identity`: run_id, process_index, slice_index, topology."""
+  """The manifest body of a step written from a layout.
+
+  Args:
+    layout: the step's shard layout.
+    crcs: per leaf, each slot's CRC32C.
+    step: the step.
+    **identity: run_id, process_index, slice_index, topology.
+
+  Returns:
+    The body (encode_manifest writes it).
+  """
   from emergency_ckpt.core import shards as shards_lib  # noqa: PLC0415
 
   leaves = []
@@ -129,15 +202,40 @@ class LocalStep:
 
 
 def map_file(path: str, nbytes: int, where: str) -> np.ndarray:
-  """`path`'s bytes as a uint8 array backed by a private (copy-on-write)
+  """A file's bytes as a uint8 array backed by a private (copy-on-write)
   mapping: nothing is copied, and writes through the array never reach the
-  file. Raises CorruptCheckpointError if the size is not `nbytes`."""
+  file.
+
+  Args:
+    path: the file.
+    nbytes: its expected size.
+    where: names it in errors.
+
+  Returns:
+    The array.
+
+  Raises:
+    OSError: it is absent.
+    CorruptCheckpointError: its size is not `nbytes`.
+  """
   with open(path, "rb") as f:
     return map_open(f, nbytes, where)
 
 
 def map_open(f, nbytes: int, where: str) -> np.ndarray:
-  """map_file for an open file."""
+  """map_file for an open file.
+
+  Args:
+    f: the open file.
+    nbytes: its expected size.
+    where: names it in errors.
+
+  Returns:
+    The array.
+
+  Raises:
+    CorruptCheckpointError: its size is not `nbytes`.
+  """
   size = os.fstat(f.fileno()).st_size
   if size != nbytes:
     raise CorruptCheckpointError(
@@ -155,10 +253,23 @@ def map_open(f, nbytes: int, where: str) -> np.ndarray:
 def verified_shards(
   body: dict, buf: np.ndarray, layout: shards_lib.Layout, where: str
 ) -> list[dict[shards_lib.Index, np.ndarray]]:
-  """Per leaf of `layout`, {index: the shard's bytes in `buf` as an array},
-  each checked against its CRC32C. Raises StateMismatchError (tree, shape
-  or dtype differ), TopologyMismatchError (a needed shard was not saved) or
-  CorruptCheckpointError (bad bytes)."""
+  """The shards a layout needs, from a step's bytes, each checked against
+  its CRC32C.
+
+  Args:
+    body: the step's manifest body.
+    buf: its shards.bin bytes.
+    layout: the shards wanted.
+    where: names the step in errors.
+
+  Returns:
+    Per leaf of `layout`, {index: the shard's bytes in `buf` as an array}.
+
+  Raises:
+    StateMismatchError: tree, shape or dtype differ.
+    TopologyMismatchError: a needed shard was not saved.
+    CorruptCheckpointError: bad bytes.
+  """
   from emergency_ckpt.core import shards as shards_lib  # noqa: PLC0415
 
   saved = {leaf["path"]: leaf for leaf in body["leaves"]}
@@ -191,8 +302,15 @@ def verified_shards(
 
 
 def verify_step_dir(path: str) -> tuple[dict | None, list[str]]:
-  """(manifest body or None, problems) for one local step folder, checking
-  the manifest and every shard's checksum without JAX."""
+  """Checks one local step folder's manifest and every shard's checksum,
+  without JAX (offline tools).
+
+  Args:
+    path: the step's folder.
+
+  Returns:
+    (manifest body, or None if unreadable; the problems found).
+  """
   try:
     body = read_manifest(path)
   except (OSError, CorruptCheckpointError) as e:
@@ -209,54 +327,3 @@ def verify_step_dir(path: str) -> tuple[dict | None, list[str]]:
       if not checksum_ok(buf[s["offset"] : s["offset"] + s["nbytes"]], s):
         problems.append(f"{path}: leaf {leaf['path']} shard {s['index']} fails its checksum")
   return body, problems
-
-
-class StreamChecksums:
-  """Every shard's CRC32C of a step's shards.bin, summed over its bytes as
-  they arrive in file order: a receiver checks a copy while the bytes are
-  still in cache, instead of reading the file again. `spans`: the shards'
-  [(offset, nbytes)] (spans_of a manifest, or of a staged layout when the
-  manifest comes after the bytes). update() the bytes at [pos, pos +
-  len(data)), in order; check(body) raises CorruptCheckpointError naming
-  the first shard of the manifest `body` that does not match."""
-
-  def __init__(self, spans, where: str):
-    self._where = where
-    self._spans = sorted((int(o), int(n)) for o, n in spans)
-    self._crcs = [0] * len(self._spans)
-    self._next = 0  # the first span not yet summed whole
-
-  @staticmethod
-  def spans_of(body: dict) -> list[tuple[int, int]]:
-    """The (offset, nbytes) of every shard a manifest lists."""
-    return [(int(s["offset"]), int(s["nbytes"])) for leaf in body["leaves"] for s in leaf["shards"]]
-
-  def update(self, pos: int, data) -> None:
-    end, i = pos + len(data), self._next
-    while i < len(self._spans):
-      off, n = self._spans[i]
-      if off >= end:
-        break
-      lo, hi = max(off, pos), min(off + n, end)
-      if hi > lo:
-        self._crcs[i] = crc32c.crc32c(data[lo - pos : hi - pos], self._crcs[i])
-      if off + n > end:
-        break
-      i += 1
-    self._next = i
-
-  def check(self, body: dict) -> None:
-    shards = sorted(
-      ((int(s["offset"]), int(s["nbytes"]), leaf["path"], s)
-       for leaf in body["leaves"] for s in leaf["shards"]),
-      key=lambda t: t[0],
-    )  # fmt: skip
-    if [(o, n) for o, n, _, _ in shards] != self._spans:
-      raise CorruptCheckpointError(
-        f"{self._where}/{SHARDS}: the manifest's shards are not the bytes that arrived"
-      )
-    for (_, _, path, s), crc in zip(shards, self._crcs):
-      if "crc32c" not in s or s["crc32c"] != crc:
-        raise CorruptCheckpointError(
-          f"{self._where}/{SHARDS}: leaf {path} shard {s['index']} fails its checksum on arrival"
-        )

@@ -1,46 +1,33 @@
 """The local tier's step format as an Orbax checkpoint handler.
 
 A local copy is written and read through Orbax's checkpointer API: a
-synchronous `LocalCheckpointer` (an `ocp.Checkpointer`) driving
-`LocalShardsHandler`, called on the local tier's own writer thread. The
-format is local_format's, byte for byte (raw `shards.bin`, `manifest.json`
-with a CRC32C per shard); Orbax adds no file. Any local copy also opens with
-plain Orbax:
+synchronous `LocalCheckpointer` (checkpointer.py: an `ocp.Checkpointer`
+that touches no barrier or shared Orbax state) driving `LocalShardsHandler`,
+called on the local tier's own writer thread. The format is format.py's,
+byte for byte (raw `shards.bin`, `manifest.json` with a CRC32C per shard);
+Orbax adds no file. Any local copy also opens with plain Orbax:
 
   ocp.Checkpointer(LocalShardsHandler()).restore(step_dir)  # every shard
   ocp.Checkpointer(LocalShardsHandler()).restore(
       step_dir, args=LocalShardsRestore(abstract=abstract_tree))  # this process's
 
-Both return a verified local_format.LocalStep; `metadata()` gives the manifest.
+Both return a verified format.LocalStep; `metadata()` gives the manifest.
 
-What it costs (256 MiB per save on /dev/shm, 2 cores; medians of interleaved
-runs against the plain writer thread it replaced): durable 1.00-1.04x as late,
-+0.4-0.7 ms fixed per save, no extra stall, no barrier and no thread (also
-../shared/notes/orbax-local-handler.md). That holds only with the settings here:
-- every process is its own Orbax world (`primary_host=None`,
-  `active_processes={this process}`, a per-process barrier prefix): each
-  process sync in Orbax's checkpointer paths is skipped;
-- `synchronize_next_awaitable_signal_operation_id` does nothing: Orbax's
-  operation id is one counter per process, shared with the persistent
-  tier's checkpointer, whose signal keys between processes carry it (the
-  primary announces the step folder's creation under its id); a local save
-  that moved it on one process only (uneven saves, or one racing the upload
-  thread) made the persistent tier's barriers time out;
-- a metadata store that writes nothing (no `_CHECKPOINT_METADATA`, no
-  warnings) and `LocalTemporaryPath`: a `.tmp-<name>-<hex>` folder created
-  0700, which the tier's start-up cleanup removes after a crash, finalized
-  by one plain rename (no `commit_success.txt`).
+Why not Orbax's own handlers: zarr3 + zstd through tensorstore, with
+barriers across processes, is many times slower than a raw ramdisk write,
+and a ramdisk copy is only useful if it is nearly free. Orbax's
+CheckpointManager (its own retention, a `default/` subfolder, a fixed cost
+per save, settings shared with the persistent tier's manager) is not used
+either.
 
 Imports Orbax: the tier loads this module when it is created; offline tools
-(local_format, layout) never do.
+(format.py, core/layout.py) never do.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
-import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -48,7 +35,7 @@ import crc32c
 import orbax.checkpoint as ocp
 from etils import epath
 
-from emergency_ckpt.core import failpoints, layout
+from emergency_ckpt.core import failpoints
 from emergency_ckpt.local import format as local_format
 from emergency_ckpt.local import read as local_read
 from emergency_ckpt.local.format import LocalStep
@@ -75,7 +62,7 @@ _CHUNK = 4 << 20  # a written piece is still in cache for its CRC32C
 
 # ---- the handler ------------------------------------------------------------------
 class LocalShardsHandler(ocp.CheckpointHandler):
-  """Writes and reads one process's local step folder (local_format).
+  """Writes and reads one process's local step folder (format.py).
 
   Stateless: one instance may serve a save on one thread while another
   thread reads. Called by: an Orbax checkpointer (the local tier's
@@ -85,7 +72,14 @@ class LocalShardsHandler(ocp.CheckpointHandler):
   def save(self, directory: epath.Path, args: LocalShardsSave) -> None:
     """Writes `shards.bin` (into `args.spare` if given: the file is moved
     into `directory` first) and then `manifest.json`, both fsync'ed.
-    Raises OSError on an I/O error (the caller discards the folder)."""
+
+    Args:
+      directory: the step's (temporary) folder.
+      args: what to write.
+
+    Raises:
+      OSError: an I/O error (the caller discards the folder).
+    """
     where = os.fspath(directory)
     path = os.path.join(where, local_format.SHARDS)
     if args.spare is not None:
@@ -110,21 +104,45 @@ class LocalShardsHandler(ocp.CheckpointHandler):
       os.fsync(f.fileno())
 
   def restore(self, directory: epath.Path, args: LocalShardsRestore | None = None) -> LocalStep:
-    """The step's shards, verified (local_read.read_step: those `args`
-    describe, or every saved shard if it gives no abstract state)."""
+    """Reads a step's shards, verified (read.read_step).
+
+    Args:
+      directory: the step's folder.
+      args: which shards (None, or no abstract state: every saved shard).
+
+    Returns:
+      The verified shards.
+
+    Raises:
+      OSError, CorruptCheckpointError, TopologyMismatchError,
+      StateMismatchError: as read.read_step.
+    """
     args = LocalShardsRestore() if args is None else args
     return local_read.read_step(
       os.fspath(directory), abstract=args.abstract, paths=args.paths, on_map=args.on_map
     )
 
   def metadata(self, directory: epath.Path) -> dict:
-    """The step's manifest body (tree, shapes, dtypes, shards, identity);
-    reads no shard."""
+    """Reads a step's manifest; no shard.
+
+    Args:
+      directory: the step's folder.
+
+    Returns:
+      Its body (tree, shapes, dtypes, shards, identity).
+
+    Raises:
+      OSError, CorruptCheckpointError: as format.read_manifest.
+    """
     return local_format.read_manifest(os.fspath(directory))
 
   def finalize(self, directory: epath.Path) -> None:
     """Nothing: both files are durable when save() returns; the rename into
-    place is LocalTemporaryPath.finalize (Orbax calls it next)."""
+    place is LocalTemporaryPath.finalize (Orbax calls it next).
+
+    Args:
+      directory: the step's (temporary) folder.
+    """
 
 
 @ocp.args.register_with_handler(LocalShardsHandler, for_save=True)
@@ -161,12 +179,22 @@ class LocalShardsRestore(ocp.args.CheckpointArgs):
 
 
 def write_shards(path: str, staged: HostSnapshot) -> list[list[int]]:
-  """pwrite()s the staged buffer's first `layout.nbytes` bytes to `path`
-  (created, or a recycled file), the padding between shards included, so
-  the file holds exactly the bytes XOR parity sent from the buffer during
-  the write was made of (redundancy_overlap); returns each shard's CRC32C,
-  computed on the piece just written while it is still in cache. Blocks on
-  the writes."""
+  """pwrite()s the staged buffer's first `layout.nbytes` bytes to a file,
+  the padding between shards included, so the file holds exactly the bytes
+  XOR parity sent from the buffer during the write was made of
+  (redundancy_overlap). Blocks on the writes.
+
+  Args:
+    path: the file (created, or a recycled one).
+    staged: the host snapshot.
+
+  Returns:
+    Per leaf, each shard's CRC32C, computed on the piece just written while
+    it is still in cache.
+
+  Raises:
+    OSError: a write failed.
+  """
   buf = staged.buffer
   nbytes = staged.layout.nbytes
   crash_at = nbytes // 2 if failpoints.armed("local.mid_write", staged.step) else None
@@ -203,145 +231,3 @@ def write_shards(path: str, staged: HostSnapshot) -> list[list[int]]:
     return crcs
   finally:
     os.close(fd)
-
-
-# ---- the temporary folder ------------------------------------------------------------
-def _tmp_name(final_name: str) -> str:
-  step = layout.step_of_dir_name(final_name)
-  if step is not None:
-    return layout.tmp_step_dir_name(step)  # .tmp-step_<N>-<hex>
-  return f"{layout.TMP_PREFIX}{final_name}-{os.urandom(4).hex()}"
-
-
-def _final_name(tmp_name: str) -> str:
-  if not tmp_name.startswith(layout.TMP_PREFIX) or "-" not in tmp_name[len(layout.TMP_PREFIX) :]:
-    raise ValueError(f"{tmp_name!r} is not a local temporary folder (.tmp-<name>-<hex>)")
-  return tmp_name[len(layout.TMP_PREFIX) :].rsplit("-", 1)[0]
-
-
-class LocalTemporaryPath(ocp.path.atomicity.AtomicRenameTemporaryPath):
-  """Orbax's atomic-rename protocol with the local tier's names: a save
-  writes into `.tmp-<name>-<hex>` beside the final folder (a `.tmp-*` name:
-  never listed as a step, removed by the tier's start-up cleanup), created
-  0700, renamed into place once complete. Adds no file (no
-  commit_success.txt, no step metadata) and starts no thread.
-
-  Called by: Orbax's Checkpointer.save, on the saving thread."""
-
-  @classmethod
-  def from_final(
-    cls,
-    final_path: epath.PathLike,
-    *,
-    checkpoint_metadata_store: Any = None,
-    file_options: Any = None,
-    snapshot_type: Any = None,
-  ) -> LocalTemporaryPath:
-    final = epath.Path(final_path)
-    return cls(
-      final.parent / _tmp_name(final.name),
-      final,
-      checkpoint_metadata_store=checkpoint_metadata_store,
-      file_options=file_options,
-    )
-
-  @classmethod
-  def from_temporary(
-    cls, temporary_path: epath.PathLike, *, file_options: Any = None, snapshot_type: Any = None
-  ) -> LocalTemporaryPath:
-    tmp = epath.Path(temporary_path)
-    return cls(tmp, tmp.parent / _final_name(tmp.name), file_options=file_options)
-
-  @classmethod
-  async def validate(cls, temporary_path: epath.PathLike) -> None:
-    path = os.fspath(temporary_path)
-    name = os.path.basename(path)
-    if os.path.islink(path) or not layout.is_tmp_name(name) or not os.path.isdir(path):
-      raise ocp.path.atomicity.ValidationError(f"{path} is not a local temporary folder")
-
-  @classmethod
-  async def validate_final(cls, final_path: epath.PathLike) -> None:
-    path = os.fspath(final_path)
-    name = os.path.basename(path)
-    if (
-      os.path.islink(path)
-      or layout.is_tmp_name(name)
-      or layout.ORBAX_TMP_MARK in name
-      or not os.path.isdir(path)
-    ):
-      raise ocp.path.atomicity.ValidationError(
-        f"{path} is not a finished local step folder (a symlink, a temporary name, or no folder)"
-      )
-
-  async def create(self) -> epath.Path:
-    """Creates the temporary folder, 0700 (FileExistsError if it exists:
-    its name is fresh)."""
-    os.mkdir(self.get(), 0o700)
-    return self.get()
-
-  async def finalize(self) -> None:
-    """Renames the finished folder into place (the commit: the step is listed
-    from now on). Raises OSError if the final name is taken by a folder that
-    is not empty."""
-    failpoints.hit("local.before_rename", layout.step_of_dir_name(self.get_final().name))
-    os.rename(self.get(), self.get_final())
-
-
-# ---- the checkpointer ------------------------------------------------------------------
-class LocalCheckpointer(ocp.Checkpointer):
-  """A synchronous Orbax checkpointer for one process's own folder: no
-  collective, no barrier, no thread, and Orbax's shared operation id left
-  alone. save() on failure removes its temporary folder.
-
-  Called by: the local tier's writer thread (save) and restoring threads
-  (restore); blocks on the file I/O only."""
-
-  def __init__(
-    self,
-    *,
-    process_index: int,
-    barrier_prefix: str = "ec_local",
-    handler: LocalShardsHandler | None = None,
-  ):
-    """`process_index`: this process's index (Orbax's process_index(), i.e.
-    jax.process_index()); it alone takes part in each save."""
-    super().__init__(
-      LocalShardsHandler() if handler is None else handler,
-      multiprocessing_options=ocp.options.MultiprocessingOptions(
-        primary_host=None,  # every process writes its own folder
-        active_processes={process_index},  # so Orbax skips every process sync
-        barrier_sync_key_prefix=f"{barrier_prefix}_p{process_index}",
-      ),
-      checkpoint_metadata_store=ocp.metadata.metadata_store(
-        enable_write=False, blocking_write=True
-      ),
-      temporary_path_class=LocalTemporaryPath,
-    )
-    self._saving = threading.local()
-
-  def synchronize_next_awaitable_signal_operation_id(self) -> None:
-    """Does nothing. Orbax's version advances the process-wide operation id
-    that the persistent tier's checkpointer puts in the keys its processes
-    signal each other under: a local save on one process only (or one that
-    raced the upload thread) would make them look for each other's signals
-    under different ids, and the persistent barriers time out
-    (tests/test_local_handler.py). A save with no barrier needs no id."""
-
-  def get_temporary_path(self, directory: epath.Path) -> Any:
-    tmp = super().get_temporary_path(directory)
-    self._saving.tmp = tmp.get()
-    return tmp
-
-  def save(self, directory: epath.PathLike, *args: Any, **kwargs: Any) -> None:
-    """Orbax's save; if it raises, the temporary folder (and whatever was
-    written into it) is removed. Raises ValueError if `directory` exists."""
-    self._saving.tmp = None
-    try:
-      super().save(directory, *args, **kwargs)
-    except BaseException:
-      tmp = self._saving.tmp
-      if tmp is not None:
-        shutil.rmtree(os.fspath(tmp), ignore_errors=True)
-      raise
-    finally:
-      self._saving.tmp = None

@@ -2,8 +2,8 @@
 
 Shared by the local tier's restore path (which must not wait for Orbax to
 load: a restart's time to restored state is on the job's critical path) and
-the Orbax handler (local_handler.LocalShardsHandler.restore, for plain Orbax
-users). No Orbax here. Called by: any thread; blocks on one checksum pass.
+the Orbax handler (handler.LocalShardsHandler.restore, for plain Orbax
+users), and the XOR rebuild (verify_buffer). No Orbax here. Called by: any thread; blocks on one checksum pass.
 """
 
 from __future__ import annotations
@@ -27,17 +27,29 @@ def read_step(
   on_map: Callable[[os.stat_result], None] | None = None,
   verify: bool = True,
 ) -> LocalStep:
-  """The step's shards as arrays over a private mapping of `shards.bin`
-  (nothing copied), each checked against its CRC32C: those `abstract`
-  describes (a pytree, or with `paths` the flat list), or every saved shard
-  if None. `on_map` gets the file's stat before it is mapped. verify=False
-  (every saved shard only): nothing checked yet, the caller checks each
-  shard it uses against its manifest record (reshard_stream: a partner's
-  copy, checked once, by whoever receives it).
+  """A step's shards as arrays over a private mapping of `shards.bin`
+  (nothing copied), each checked against its CRC32C.
 
-  Raises OSError (files absent), CorruptCheckpointError (bad bytes),
-  TopologyMismatchError (a needed shard absent), StateMismatchError (tree,
-  shape or dtype differ)."""
+  Args:
+    where: the step's folder.
+    abstract: the shards wanted: abstract arrays with shardings, a pytree
+      (or with `paths` the flat list); None: every saved shard.
+    paths: the keystr paths of a flat `abstract`.
+    on_map: gets the file's stat before it is mapped.
+    verify: False (every saved shard only): nothing checked yet, the
+      caller checks each shard it uses against its manifest record (the
+      restore's reshard transfer: a partner's copy, checked once, by
+      whoever receives it).
+
+  Returns:
+    The step: per leaf, {index: shard array}.
+
+  Raises:
+    OSError: files absent.
+    CorruptCheckpointError: bad bytes.
+    TopologyMismatchError: a needed shard absent.
+    StateMismatchError: tree, shape or dtype differ.
+  """
   body = local_format.read_manifest(where)
   if abstract is None:
     buf = _map(where, body, on_map)
@@ -60,9 +72,20 @@ def _map(where: str, body: dict, on_map) -> Any:
 def verify_buffer(
   body: dict, buf: Any, where: str, *, check: bool = True
 ) -> list[dict[tuple, Any]]:
-  """Per saved leaf of the manifest `body`, {index: shard array} of every
-  shard in `buf` (a step's shards.bin bytes), each verified (check=False:
-  sizes only); raises CorruptCheckpointError naming `where`."""
+  """Every shard of a step's bytes as arrays, each verified.
+
+  Args:
+    body: the step's manifest body.
+    buf: its shards.bin bytes.
+    where: names the step in errors.
+    check: False: sizes only.
+
+  Returns:
+    Per saved leaf of `body`, {index: shard array}.
+
+  Raises:
+    CorruptCheckpointError: a shard is short or fails its checksum.
+  """
   out = []
   for leaf in body["leaves"]:
     dtype = shards_lib.dtype_from_name(leaf["dtype"])

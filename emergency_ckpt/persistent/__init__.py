@@ -1,1 +1,1 @@
-"""The persistent tier: Orbax's standard format on gs:// or any path, saved by the primary slice; its storage rules, shard checksums, checked reads, the read shared between slices and offline verification."""
+"""The persistent tier: Orbax's standard format on gs:// or any path, saved by the primary slice; Orbax's loading and set-up, where an upload's arrays come from, its storage rules, shard checksums, checked reads, the read shared between slices and offline verification."""

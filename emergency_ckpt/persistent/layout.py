@@ -6,7 +6,7 @@ its number), waiting for finalization, deleting a step so that no listing
 ever sees it half-deleted, a step's size, the cleanup of what crashed saves
 left, and `scan`: the one reader of a whole persistent root (tensor steps,
 state steps, COMMIT records, run.json) for the CLI. Names come from
-layout.py; persistent_tier.py wraps Orbax and calls these.
+core/layout.py; persistent/tier.py wraps Orbax and calls these.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 
 from etils import epath
 
-from emergency_ckpt.core import layout, storage
+from emergency_ckpt.core import gcs_retry, layout, storage
 from emergency_ckpt.errors import StorageError
 from emergency_ckpt.state.store import StateStore
 
@@ -33,24 +33,40 @@ _PROBE_THREADS = 16
 
 
 def is_finalized(step_dir: epath.PathLike) -> bool:
-  """Orbax's rule: on GCS a step is final once its commit file exists; on a
-  filesystem once it was renamed from its temporary name to its number."""
+  """Whether Orbax finalized a tensor step.
+
+  Orbax's rule: on GCS a step is final once its commit file exists; on a
+  filesystem once it was renamed from its temporary name to its number.
+
+  Args:
+    step_dir: the step's folder under tensors/.
+
+  Returns:
+    True if the step is final.
+  """
   step_dir = epath.Path(step_dir)
-  if storage.is_gcs(step_dir):
+  if gcs_retry.is_gcs(step_dir):
     return storage.exists(step_dir / layout.GCS_COMMIT_FILE)
   return layout.step_of_name(step_dir.name) is not None and step_dir.exists()
 
 
 def list_steps(directory: epath.PathLike) -> list[int]:
-  """Finalized steps under a tensors/ folder, oldest first. Any process may call it.
+  """Finalized steps under a tensors/ folder. Any process may call it.
 
   A filesystem is listed directly (Orbax's checkpoint_steps starts a thread
-  pool per call: 3-4 ms idle, ~60 ms measured inside a restore with 4
-  processes on 2 cores, which every process then waited for in the
-  inventory exchange). On GCS one fresh listing, then one probe of each
-  step's commit file, several at once (as Orbax's checkpoint_steps does)."""
+  pool per call, which is slow on busy cores, and every process then waits
+  for the slowest in the inventory exchange). On GCS one fresh listing, then
+  one probe of each step's commit file, several at once (as Orbax's
+  checkpoint_steps does).
+
+  Args:
+    directory: the tensors/ folder.
+
+  Returns:
+    The finalized steps, oldest first.
+  """
   directory = epath.Path(directory)
-  if storage.is_gcs(directory):
+  if gcs_retry.is_gcs(directory):
     candidates = layout.steps_of_names(storage.list_names(directory))
     if len(candidates) <= 1:
       return [s for s in candidates if is_finalized(layout.tensor_step_dir(directory, s))]
@@ -64,11 +80,22 @@ def list_steps(directory: epath.PathLike) -> list[int]:
 
 
 def wait_finalized(directory: epath.PathLike, step: int, timeout_s: float) -> bool:
-  """Polls until `step` is finalized; False after `timeout_s`. (Orbax runs
-  its post-finalization callback BEFORE its rename / commit file: the step
-  is not final then, and normally is a few tens of ms later.) Every 10-50 ms
-  for the first 2 s (one existence check each: the step is durable no
-  later than 50 ms after Orbax finalized it), then backing off to 0.5 s."""
+  """Polls until a step is finalized.
+
+  Orbax runs its post-finalization callback BEFORE its rename / commit
+  file: the step is not final then, and normally is shortly after. Polls
+  every 10-50 ms for the first 2 s (one existence check each: the step is
+  durable no later than 50 ms after Orbax finalized it), then backing off
+  to 0.5 s.
+
+  Args:
+    directory: the tensors/ folder.
+    step: the step.
+    timeout_s: how long to poll.
+
+  Returns:
+    True once finalized; False after `timeout_s`.
+  """
   step_dir = layout.tensor_step_dir(directory, step)
   start = time.monotonic()
   deadline = start + timeout_s
@@ -82,11 +109,17 @@ def wait_finalized(directory: epath.PathLike, step: int, timeout_s: float) -> bo
 
 
 def delete_step(directory: epath.PathLike, step: int) -> None:
-  """Deletes one tensor step so that no listing ever sees a half-deleted
-  step as finalized: on GCS the commit file goes first, on a filesystem the
-  folder is renamed out of the step namespace first. Called by: one process."""
+  """Deletes one tensor step so that no listing ever sees it half-deleted as finalized.
+
+  On GCS the commit file goes first, on a filesystem the folder is renamed
+  out of the step namespace first. Called by: one process.
+
+  Args:
+    directory: the tensors/ folder.
+    step: the step.
+  """
   step_dir = layout.tensor_step_dir(directory, step)
-  if storage.is_gcs(step_dir):
+  if gcs_retry.is_gcs(step_dir):
     storage.unlink(step_dir / layout.GCS_COMMIT_FILE)
     storage.rmtree(step_dir)
     return
@@ -98,12 +131,20 @@ def delete_step(directory: epath.PathLike, step: int) -> None:
 
 
 def step_bytes(directory: epath.PathLike, step: int) -> int | None:
-  """Total size of a tensor step's files, or None if it is absent."""
+  """Total size of a tensor step's files.
+
+  Args:
+    directory: the tensors/ folder.
+    step: the step.
+
+  Returns:
+    The size in bytes, or None if the step is absent.
+  """
   step_dir = layout.tensor_step_dir(directory, step)
   storage.forget_listings(step_dir)
   if not step_dir.exists():
     return None
-  if storage.is_gcs(step_dir):
+  if gcs_retry.is_gcs(step_dir):
     fs = epath.backend.fsspec_backend.fs(os.fspath(step_dir))
     return int(fs.du(os.fspath(step_dir), total=True))
   return sum(
@@ -114,10 +155,18 @@ def step_bytes(directory: epath.PathLike, step: int) -> int | None:
 
 
 def cleanup_unfinalized(directory: epath.PathLike) -> list[str]:
-  """Removes what crashed saves and deletions left under tensors/: step
-  folders Orbax never finalized, its temporary folders, and half-done
-  deletions. Finalized steps are never touched. Called by: the primary
-  process, before any save of this job. Returns the names removed."""
+  """Removes what crashed saves and deletions left under tensors/.
+
+  That is step folders Orbax never finalized, its temporary folders, and
+  half-done deletions; finalized steps are never touched. Called by: the
+  primary process, before any save of this job.
+
+  Args:
+    directory: the tensors/ folder.
+
+  Returns:
+    The names removed.
+  """
   directory = epath.Path(directory)
   removed = []
   for name in storage.list_names(directory):
@@ -135,7 +184,14 @@ def cleanup_unfinalized(directory: epath.PathLike) -> list[str]:
 
 # ---- a whole root, for tools ----------------------------------------------------------
 def looks_persistent(root: epath.PathLike) -> bool:
-  """True if `root` holds a persistent layout (tensors/, state/ or run.json)."""
+  """Whether a root holds a persistent layout (tensors/, state/ or run.json).
+
+  Args:
+    root: the folder (path or gs://).
+
+  Returns:
+    True if any of the three exists.
+  """
   root = epath.Path(root)
   return any(
     storage.exists(p)
@@ -144,17 +200,31 @@ def looks_persistent(root: epath.PathLike) -> bool:
 
 
 def write_run_info(root: epath.PathLike, info: Mapping[str, Any]) -> None:
-  """Writes run.json (which run and topology own the root, the save
-  intervals; read by `emergency-ckpt gc` and `inspect`), creating the root.
-  Called by: the primary process, when its manager starts."""
+  """Writes run.json, creating the root. Called by: the primary process, when its manager starts.
+
+  Args:
+    root: the persistent root.
+    info: which run and topology own the root, the save intervals (read by
+      `emergency-ckpt gc` and `inspect`).
+  """
   root = epath.Path(root)
   root.mkdir(parents=True, exist_ok=True)
   storage.write_bytes(layout.run_file(root), json.dumps(dict(info), indent=1).encode())
 
 
 def read_run_info(root: epath.PathLike) -> dict[str, Any] | None:
-  """run.json's record (run_id, topology, save intervals), or None if it is
-  absent or unreadable. An unreachable bucket raises StorageError."""
+  """run.json's record.
+
+  Args:
+    root: the persistent root.
+
+  Returns:
+    The record (run_id, topology, save intervals), or None if run.json is
+    absent or unreadable.
+
+  Raises:
+    StorageError: the bucket is unreachable.
+  """
   try:
     doc = json.loads(storage.read_bytes(layout.run_file(root)))
   except StorageError as e:
@@ -197,6 +267,7 @@ class PersistentListing:
 
   @property
   def run_id(self) -> str | None:
+    """run.json's run_id, or None."""
     run_id = (self.run or {}).get("run_id")
     return run_id if isinstance(run_id, str) else None
 
@@ -207,18 +278,36 @@ class PersistentListing:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
   def state_store(self) -> StateStore:
-    """A reader of this root's state store (deletes too; writes nothing else)."""
+    """A reader of this root's state store (deletes too; writes nothing else).
+
+    Returns:
+      reader_store(root).
+    """
     return reader_store(self.root)
 
 
 def reader_store(root: epath.PathLike) -> StateStore:
-  """The state store of a persistent root, for a tool that only reads and deletes."""
+  """The state store of a persistent root, for a tool that only reads and deletes.
+
+  Args:
+    root: the persistent root.
+
+  Returns:
+    A StateStore of its state/ folder.
+  """
   return StateStore(layout.state_dir(root), process_index=0, process_count=1)
 
 
 def scan(root: epath.PathLike) -> PersistentListing:
-  """THE reader of a whole persistent root: finalized tensor steps, state
-  steps and their COMMIT records, run.json."""
+  """THE reader of a whole persistent root.
+
+  Args:
+    root: the persistent root (path or gs://).
+
+  Returns:
+    Its finalized tensor steps, state steps and their COMMIT records, and
+    run.json.
+  """
   root = epath.Path(root)
   tensors = layout.tensors_dir(root)
   store = reader_store(root)

@@ -1,33 +1,59 @@
 """Loading Orbax off the restore path: its import, then its multihost set-up.
 
-Orbax costs about 0.5 s of CPU to import (more when a host's processes load
-it at once); its multihost set-up (topology.init_orbax_multihost) is
-nothing with Orbax's defaults, and an all-gather of every process where
-Orbax is flagged to translate process ids. Reading
-a local copy or receiving one from a peer needs neither, so the manager
-starts both on a background lane once the restore path is behind it (at
-the end of restore(), or when all_steps() finds nothing to restore: every
-process is up then, and the load no longer competes with the restore for
-the host's cores: measured, a 4-process restart's restore() took 0.45 s
-with the load started at construction, 0.13 s after), and only the tiers'
-first Orbax use waits: the local tier's first write for the import, the
-persistent tier's first save or restore (and the manager's first save())
-for the set-up too; a trainer that saves without calling restore() or
-latest_step() first waits for the load in its first save().
+Orbax is costly to import (more so when a host's processes load it at
+once); its multihost set-up (jax_runtime.init_orbax_multihost) is nothing
+with Orbax's defaults, and an all-gather of every process where Orbax is
+flagged to translate process ids. Reading a local copy or receiving one
+from a peer needs neither, so the manager starts both on a background lane
+once the restore path is behind it (at the end of restore(), or when
+all_steps() finds nothing to restore: every process is up then, and the
+load no longer competes with the restore for the host's cores, which
+shortens a restart's restore()), and only the tiers' first Orbax use
+waits: the local tier's first write for the import, the persistent tier's
+first save or restore (and the manager's first save()) for the set-up too;
+a trainer that saves without calling restore() or latest_step() first waits
+for the load in its first save().
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import threading
+from typing import Any
 
-from emergency_ckpt.cluster.topology import init_orbax_multihost
+from emergency_ckpt.cluster.jax_runtime import init_orbax_multihost
 from emergency_ckpt.errors import CollectiveTimeoutError
 from emergency_ckpt.runtime.background import Background
 
 
+def orbax() -> Any:
+  """The orbax.checkpoint module, imported on first use (a heavy import).
+
+  Its absl flags are marked parsed, so that Orbax reads their defaults in a
+  trainer that never parses absl flags itself.
+
+  Returns:
+    The orbax.checkpoint module.
+  """
+  import orbax.checkpoint as ocp  # noqa: PLC0415 - heavy import, only when used
+
+  try:
+    from absl import flags  # noqa: PLC0415
+
+    if not flags.FLAGS.is_parsed():
+      flags.FLAGS.mark_as_parsed()
+  except ImportError:  # pragma: no cover - absl ships with orbax
+    pass
+  return ocp
+
+
 class OrbaxLoader:
-  """Imports Orbax and runs its multihost set-up once, in the background."""
+  """Imports Orbax and runs its multihost set-up once, in the background.
+
+  Args:
+    background: the manager's background lanes (the load runs on "orbax").
+    log_prefix: prefixes the error's message (this process's log prefix).
+  """
 
   def __init__(self, background: Background, log_prefix: str = ""):
     self._background = background
@@ -55,10 +81,15 @@ class OrbaxLoader:
     self._futures[0].result()
 
   def ready(self) -> None:
-    """Blocks until Orbax is imported and set up (starting them if needed);
-    raises CollectiveTimeoutError if the set-up failed. Called by: the
-    persistent tier before its first save or restore, the manager's first
-    save() and wait_until_finished()."""
+    """Blocks until Orbax is imported and set up (starting them if needed).
+
+    Called by: the persistent tier before its first save or restore, the
+    manager's first save() and wait_until_finished().
+
+    Raises:
+      CollectiveTimeoutError: the set-up failed (a process died or hung
+        during start-up).
+    """
     self.start()
     try:
       self._futures[0].result()

@@ -6,8 +6,7 @@ client aliases only 64-byte aligned host memory). Here tensorstore writes
 every unique shard this process needs straight into one page-aligned buffer,
 laid out like the local tier's file (shards.layout_for), and shards.assemble
 places views of it: on CPU the arrays alias the buffer (one copy from storage
-instead of two, 0.8 s instead of 1.3 s cold for 256 MiB per process here); on
-accelerators the buffer feeds the host-to-device copy.
+instead of two); on accelerators the buffer feeds the host-to-device copy.
 
 The tensorstore specs and context are Orbax's own (its public type_handlers
 helpers build them from the step's _METADATA), so this reads exactly what
@@ -35,7 +34,8 @@ from emergency_ckpt.core import compat
 from emergency_ckpt.core import shards as shards_lib
 from emergency_ckpt.errors import CorruptCheckpointError, StateMismatchError
 from emergency_ckpt.persistent import checksums
-from emergency_ckpt.runtime.staging import aligned_empty
+from emergency_ckpt.runtime.buffers import aligned_empty
+from emergency_ckpt.state.shard_records import Expected, overlap
 
 METADATA = "_METADATA"
 COALESCE = "experimental_read_coalescing_threshold_bytes"
@@ -51,11 +51,24 @@ def _read_metadata(item_dir: epath.Path) -> dict:
     ) from e
 
 
-def read(item_dir: epath.Path, abstract_tree: Any, ocp: Any, expected: checksums.Expected) -> Any:
-  """abstract_tree's arrays read from the Orbax item at `item_dir` (the
-  tree, shapes and dtypes already checked against its metadata), every
-  byte checked against the shard CRC32Cs in `expected` (checksums.py):
-  CorruptCheckpointError naming the leaf on a mismatch."""
+def read(item_dir: epath.Path, abstract_tree: Any, ocp: Any, expected: Expected) -> Any:
+  """A persistent step's arrays, every byte checked against its recorded CRC32C.
+
+  Args:
+    item_dir: the step's Orbax item (its tree, shapes and dtypes already
+      checked against `abstract_tree`).
+    abstract_tree: the arrays to read (shape, dtype, sharding per leaf).
+    ocp: the orbax.checkpoint module.
+    expected: the step's recorded shard CRC32Cs (checksums.py).
+
+  Returns:
+    abstract_tree's tree of arrays.
+
+  Raises:
+    CorruptCheckpointError: naming the leaf, if a shard fails its CRC32C or
+      the step cannot be read.
+    StateMismatchError: abstract_tree's leaves are not all sharded arrays.
+  """
   _, abstract, treedef = shards_lib.leaf_paths(abstract_tree)
   layout, buffer = read_into(item_dir, abstract_tree, ocp, expected)
   arrays = shards_lib.assemble_buffer(abstract, layout, buffer)
@@ -66,17 +79,32 @@ def read_into(
   item_dir: epath.Path,
   abstract_tree: Any,
   ocp: Any,
-  expected: checksums.Expected,
+  expected: Expected,
   select: Callable[[int, shards_lib.ShardSlot], bool] | None = None,
   *,
   buffer: np.ndarray | None = None,
   on_ready: Callable[[int, shards_lib.Index], None] | None = None,
 ) -> tuple[shards_lib.Layout, np.ndarray]:
-  """(this process's layout, a page-aligned buffer laid out so) with every
-  slot read and checked as read() does, or only the slots (leaf number,
-  slot) that `select` accepts (the rest left unwritten). `buffer`: write
-  there (layout.nbytes) instead of a new one; `on_ready(leaf number,
-  index)`: called as each slot is read and checked, before the others."""
+  """read()'s read and checks, into one host buffer instead of arrays.
+
+  Args:
+    item_dir: as for read().
+    abstract_tree: as for read().
+    ocp: the orbax.checkpoint module.
+    expected: as for read().
+    select: reads only the slots (leaf number, slot) it accepts (the rest
+      are left unwritten); None: every slot.
+    buffer: write there (layout.nbytes) instead of into a new buffer.
+    on_ready: called with (leaf number, index) as each slot is read and
+      checked, before the others.
+
+  Returns:
+    (this process's layout, the page-aligned buffer laid out so).
+
+  Raises:
+    CorruptCheckpointError: as read().
+    StateMismatchError: as read().
+  """
   import tensorstore as ts  # noqa: PLC0415 - heavy import, only when used
 
   paths, abstract, _ = shards_lib.leaf_paths(abstract_tree)
@@ -150,16 +178,87 @@ def read_into(
   expected.prefetch(r[2] for r in reads)  # while tensorstore reads
   for name, path, shard, target, read_done, key in reads:
     _wait(read_done.result, name, item_dir)
-    expected.check(path, shard, target)
+    checksums.check_shard(expected, path, shard, target)
     if key is not None and on_ready is not None:
       on_ready(*key)
   for piece, piece_index, target, (_, target_index) in copies:
-    box = checksums.overlap(piece_index, target_index)
+    box = overlap(piece_index, target_index)
     target[_within(box, target_index)] = piece[_within(box, piece_index)]
   if on_ready is not None:
     for key in dict.fromkeys(c[3] for c in copies):
       on_ready(*key)
   return layout, buffer
+
+
+def _check_matches(metadata: Any, abstract_tree: Any, where: Any) -> None:
+  """StateMismatchError unless abstract_tree has the saved tree, shapes and
+  dtypes (Orbax would cast dtypes silently, and raise an untyped error on
+  shapes)."""
+  saved = getattr(metadata, "item_metadata", metadata)
+  saved = getattr(saved, "tree", saved)
+  flat = jax.tree_util.tree_flatten_with_path(saved)[0]
+  recorded = {
+    jax.tree_util.keystr(p): (tuple(getattr(m, "shape", ())), getattr(m, "dtype", None))
+    for p, m in flat
+  }
+  paths, abstract, _ = shards_lib.leaf_paths(abstract_tree)
+  compat.check_state(recorded, paths, abstract, where, ordered=False)
+
+
+def read_step(
+  item_dir: epath.Path,
+  step: int,
+  abstract_tree: Any,
+  ocp: Any,
+  expected: Expected,
+  select: Callable[[int, shards_lib.ShardSlot], bool] | None = None,
+  *,
+  buffer: np.ndarray | None = None,
+  on_ready: Callable[[int, shards_lib.Index], None] | None = None,
+) -> tuple[shards_lib.Layout, np.ndarray]:
+  """read_into() after checking abstract_tree against the step's record and metadata.
+
+  What was saved comes from the step's own checksummed record: a mismatch
+  there is the caller's; one with Orbax's metadata after it is damage.
+
+  Args:
+    item_dir: the step's Orbax item.
+    step: the step (named in errors).
+    abstract_tree: as for read_into().
+    ocp: the orbax.checkpoint module.
+    expected: as for read_into(); its record of shapes and dtypes is checked.
+    select: as for read_into().
+    buffer: as for read_into().
+    on_ready: as for read_into().
+
+  Returns:
+    As read_into().
+
+  Raises:
+    StateMismatchError: abstract_tree does not match the step's record.
+    CorruptCheckpointError: naming the leaf, if a shard fails its CRC32C,
+      or if Orbax's metadata contradicts the step's record.
+  """
+  paths, abstract, _ = shards_lib.leaf_paths(abstract_tree)
+  compat.check_state(
+    {p: (shape, shards_lib.dtype_from_name(dt)) for p, (shape, dt) in expected.arrays.items()},
+    paths,
+    abstract,
+    item_dir,
+    ordered=False,
+  )
+  try:
+    with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ckptr:
+      _check_matches(ckptr.metadata(item_dir), abstract_tree, item_dir)
+    return read_into(
+      item_dir, abstract_tree, ocp, expected, select, buffer=buffer, on_ready=on_ready
+    )
+  except StateMismatchError as e:
+    what = str(e).split(" Pass the abstract_state")[0]
+    raise CorruptCheckpointError(
+      f"persistent step {step}'s stored array metadata is damaged: it contradicts the"
+      f" step's checksummed record of its shapes and dtypes ({what})"
+    ) from e
 
 
 def _read(ts: Any, store: Any, index: shards_lib.Index, target: np.ndarray) -> Any:

@@ -3,11 +3,11 @@
 When every slice restores the same step from the persistent tier (no ramdisk
 holds it), each slice reading the whole model costs S x its bytes in bucket
 egress, bill and bandwidth. Here R of the S slices read (routing.reader_slices:
-persistent.shared_read_slices, else the measured rule: one slice for small
-models, more as the model grows): each process of slices 0..R-1 reads from
+persistent.shared_read_slices, else its rule by model size: one slice for
+small models, more as the model grows): each process of slices 0..R-1 reads from
 storage only the slots routing.plan_split gives its slice (about 1/R of its
 shards, each checked against its recorded CRC32C like any persistent read)
-and serves them over the stream transport (peer/stream.py: authenticated
+and serves them over the stream transport (transport/stream.py: authenticated
 TCP, the sender's CRC32C checked on arrival); every process pulls the rest
 from the processes at its mesh coordinates in the reading slices (a slice
 that reads nothing pulls everything and serves nothing): the model leaves
@@ -53,7 +53,7 @@ from emergency_ckpt.errors import (
   StateMismatchError,
 )
 from emergency_ckpt.local.format import LocalStep
-from emergency_ckpt.runtime.staging import aligned_empty
+from emergency_ckpt.runtime.buffers import aligned_empty
 from emergency_ckpt.transport import routing, stream
 
 logger = logging.getLogger("emergency_ckpt")
@@ -146,14 +146,33 @@ def read_shared(
   ports: tuple[int, int] | None = None,
   readers: int | None = None,
 ) -> list | None:
-  """This process's arrays of persistent step `step` (per leaf of
-  abstract_tree), read in part here and in part by the other slices; None
-  if the transfer failed on some process (then every process returns None:
-  read the step per process). Raises CorruptCheckpointError on every
-  process if a shard failed its checksum anywhere, StateMismatchError (on
-  every process alike) if abstract_tree does not fit the step. `readers`:
-  how many slices read from storage (routing.reader_slices: None is the
-  measured rule; more than the slices means all)."""
+  """This process's arrays of a persistent step, read in part here and in part by other slices.
+
+  Args:
+    step: the persistent step.
+    abstract_tree: the arrays to restore (shape, dtype, sharding per leaf).
+    persistent: the persistent tier (its read_into reads this process's part).
+    expected: the step's recorded shard checksums (shard_records.Expected).
+    mesh: the mesh of abstract_tree's shardings.
+    topology: this job's slices and processes.
+    collectives: the exchanges between processes (offers, the outcome).
+    host: the address this process serves on; None: it cannot serve.
+    timeout_s: how long to wait for the other processes and transfers.
+    ports: the ports a sender may listen on (peer.ports); None: any.
+    readers: how many slices read from storage (routing.reader_slices: None
+      is its rule by model size; more than the slices means all).
+
+  Returns:
+    The arrays, per leaf of abstract_tree; or None if the transfer failed on
+    some process (then every process returns None: read the step per
+    process).
+
+  Raises:
+    CorruptCheckpointError: on every process, if a shard failed its
+      checksum anywhere.
+    StateMismatchError: on every process alike, if abstract_tree does not
+      fit the step.
+  """
   paths, abstract, _ = shards_lib.leaf_paths(abstract_tree)
   layout = shards_lib.layout_for(paths, abstract)
   model_bytes = sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in abstract)

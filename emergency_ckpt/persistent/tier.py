@@ -1,34 +1,26 @@
 """Persistent tier: Orbax's standard format on gs:// or any path.
 
-Saved by the primary slice only, through an Orbax CheckpointManager whose
-barriers span the primary slice's processes only: it gets the global arrays
-and writes the shards of replica 0, which live on the primary slice (the
-state is replicated over the replica axis), so no copy is made. Restored by every process,
-each reading the shards it needs straight from storage (no broadcast, so
-values come back bit-exact), onto any topology: Orbax checks the tree, then
-persistent_read has tensorstore read the shards into one aligned buffer (one
-copy fewer than Orbax's restore).
+Saved by the primary slice only, through an Orbax CheckpointManager set up
+for it (orbax_manager.py): the shards of replica 0, which live on the
+primary slice, so no copy is made. Restored by every process, each reading
+the shards it needs straight from storage (no broadcast, so values come back
+bit-exact), onto any topology, every byte checked against its recorded
+CRC32C (persistent/read.py).
 
-Where the primary slice's devices are CPUs (host memory is device memory,
-and Orbax's "device-to-host copy" is a zero-copy view), save() does not call
-Orbax on the trainer's thread: save_snapshot() hands Orbax arrays that alias
-the local tier's staged host copy (an immutable snapshot: the trainer may
-donate or overwrite its arrays as soon as save() returns) and runs the Orbax
-save on a background thread, so the save() stall is the staging copy alone.
-On accelerators with pinned host memory (GPUs, TPUs), the upload reads the
-snapshot too: save_snapshot() hands Orbax arrays in the devices'
-"pinned_host" memory, built from the snapshot on the upload thread (a host
-copy), so Orbax's "device-to-host copy" never touches the device and save()
-waits for nothing but the staging (upload_memory_kind decides, with a probe
-transfer). Elsewhere save() calls Orbax inline: its device-to-host copy must
-end before the trainer may touch the arrays again.
+save() need not call Orbax on the trainer's thread: where upload_memory.py
+says so, save_snapshot() hands Orbax arrays built from the local tier's
+staged host snapshot (an immutable copy: the trainer may donate or
+overwrite its arrays as soon as save() returns) and runs the Orbax save on
+a background thread, so the save() stall is the staging copy alone.
+Elsewhere save() calls Orbax inline: its device-to-host copy must end
+before the trainer may touch the arrays again.
 
 The storage rules that need no JAX (which steps are finalized, deleting a
-step, cleanup after a crash) are in persistent_layout.py.
+step, cleanup after a crash) are in persistent/layout.py.
 
 Compression: off by default (persistent.compression turns on Orbax's zstd):
-it halved upload CPU and restored 1.6x faster cold for 18% more bytes
-on float32 weights (see PersistentTierOptions.compression).
+uncompressed chunks cost less CPU to upload and restore faster, for more
+bytes stored (see PersistentTierOptions.compression).
 """
 
 from __future__ import annotations
@@ -41,102 +33,46 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import numpy as np
 from jax.sharding import Mesh
 
 from emergency_ckpt.cluster.topology import Topology
-from emergency_ckpt.core import compat, failpoints, layout, storage
+from emergency_ckpt.core import compat, failpoints, gcs_retry, layout
 from emergency_ckpt.core import shards as shards_lib
 from emergency_ckpt.core.storage import check_bucket
-from emergency_ckpt.errors import (
-  CollectiveTimeoutError,
-  CorruptCheckpointError,
-  StateMismatchError,
-)
+from emergency_ckpt.errors import CollectiveTimeoutError
 from emergency_ckpt.options import PersistentTierOptions
-from emergency_ckpt.persistent import checksums
+from emergency_ckpt.persistent import orbax_manager
 from emergency_ckpt.persistent import read as persistent_read
 from emergency_ckpt.persistent.layout import cleanup_unfinalized, delete_step, list_steps
+from emergency_ckpt.persistent.orbax_loader import orbax
+from emergency_ckpt.state.shard_records import Expected
 
 logger = logging.getLogger("emergency_ckpt")
 
 
-def _ocp():
-  import orbax.checkpoint as ocp  # noqa: PLC0415 - heavy import, only when used
-
-  try:
-    from absl import flags  # noqa: PLC0415
-
-    if not flags.FLAGS.is_parsed():
-      flags.FLAGS.mark_as_parsed()
-  except ImportError:  # pragma: no cover - absl ships with orbax
-    pass
-  return ocp
-
-
-PINNED_HOST = "pinned_host"
-CPU_UPLOAD_MEMORY_KIND: str | None = None
-"""The memory kind of the arrays an upload from a snapshot builds on CPU
-devices (None: their default memory, which aliases the snapshot). Tests set
-PINNED_HOST to run the accelerators' path on CPU."""
-
-
-def upload_memory_kind(devices) -> tuple[bool, str | None]:
-  """(whether the persistent upload reads the staged snapshot, the memory
-  kind of the arrays it hands Orbax) for this process's `devices`. CPU:
-  yes, in their default memory (CPU_UPLOAD_MEMORY_KIND). Accelerators: yes,
-  in pinned host memory, where every device has it and a probe transfer
-  into it and back works; else no (Orbax copies from the device inline,
-  inside save()). Called by: the manager, once per process."""
-  devices = list(devices)
-  if all(d.platform == "cpu" for d in devices) and CPU_UPLOAD_MEMORY_KIND is None:
-    return True, None
-  if not devices or not all(
-    any(m.kind == PINNED_HOST for m in d.addressable_memories()) for d in devices
-  ):
-    return False, None
-  try:
-    want = np.arange(256, dtype=np.float32)
-    probe = jax.device_put(
-      want.copy(), jax.sharding.SingleDeviceSharding(devices[0], memory_kind=PINNED_HOST)
-    )
-    ok = np.array_equal(np.asarray(probe), want)
-  except Exception as e:  # noqa: BLE001 - any failure: the inline path, which always works
-    logger.warning(
-      "persistent uploads: a transfer into %s memory of %s failed (%s); Orbax will copy"
-      " from the device inside save() instead (a longer stall at persistent steps).",
-      PINNED_HOST,
-      devices[0],
-      e,
-    )
-    return False, None
-  return (True, PINNED_HOST) if ok else (False, None)
-
-
-def check_replicated(tree: Any, replica_axis: str) -> None:
-  """Raises TopologyError unless every leaf is replicated over the replica
-  axis (then the primary slice alone holds a full copy: replica 0's shards)."""
+def _check_replicated(tree: Any, replica_axis: str) -> None:
+  """TopologyError unless every leaf is replicated over the replica axis (then
+  the primary slice alone holds a full copy: replica 0's shards)."""
   paths, leaves, _ = shards_lib.leaf_paths(tree)
   compat.check_replicated(paths, leaves, replica_axis)
 
 
-def _check_matches(metadata: Any, abstract_tree: Any, where: Any) -> None:
-  """StateMismatchError unless abstract_tree has the saved tree, shapes and
-  dtypes (Orbax would cast dtypes silently, and raise an untyped error on
-  shapes)."""
-  saved = getattr(metadata, "item_metadata", metadata)
-  saved = getattr(saved, "tree", saved)
-  flat = jax.tree_util.tree_flatten_with_path(saved)[0]
-  recorded = {
-    jax.tree_util.keystr(p): (tuple(getattr(m, "shape", ())), getattr(m, "dtype", None))
-    for p, m in flat
-  }
-  paths, abstract, _ = shards_lib.leaf_paths(abstract_tree)
-  compat.check_state(recorded, paths, abstract, where, ordered=False)
-
-
 class PersistentTier:
-  """Orbax on the persistent directory's tensors/ folder."""
+  """Orbax on the persistent directory's tensors/ folder.
+
+  Args:
+    options: the persistent tier's options.
+    topology: this job's slices and processes.
+    mesh: the train state's mesh.
+    barrier_prefix: prefixes Orbax's barrier keys (unique per manager).
+    on_finalized: called with each step Orbax finalized (on its thread).
+    timeout_s: Orbax's barrier timeout.
+    orbax_ready: blocks until Orbax may be used (the manager's multihost
+      set-up); called before Orbax is first used.
+
+  Raises:
+    StorageError: the bucket does not exist (checked on every process first).
+  """
 
   def __init__(
     self,
@@ -149,8 +85,6 @@ class PersistentTier:
     timeout_s: float = 1200.0,
     orbax_ready: Callable[[], None] | None = None,
   ):
-    """`orbax_ready`: blocks until Orbax may be used (the manager's
-    multihost set-up), called before the first save opens Orbax."""
     self._options = options
     self._topology = topology
     self._mesh = mesh
@@ -172,10 +106,12 @@ class PersistentTier:
     self._open_lock = threading.Lock()
 
   def open(self) -> None:
-    """Creates the Orbax CheckpointManager that saves (primary slice only;
-    a no-op elsewhere and when done), after `orbax_ready`. Called by: the
+    """Creates the Orbax CheckpointManager that saves (orbax_manager.py), after `orbax_ready`.
+
+    Primary slice only; a no-op elsewhere and once done. Called by: the
     first persistent save on each primary-slice process; blocks on loading
-    Orbax the first time. Restores never need it."""
+    Orbax the first time. Restores never need it.
+    """
     topology = self._topology
     if not topology.is_primary_slice or self._manager is not None:
       return
@@ -184,42 +120,14 @@ class PersistentTier:
     with self._open_lock:
       if self._manager is not None:
         return
-      options, timeout_s = self._options, self._timeout_s
-      ocp = _ocp()
-      procs = set(topology.slice_processes[0])
-      mp = ocp.options.MultiprocessingOptions(
-        primary_host=topology.primary_process,
-        active_processes=procs if topology.process_count > 1 else None,
-        barrier_sync_key_prefix=self._barrier_prefix,
-      )
-      self.directory.mkdir(parents=True, exist_ok=True)  # idempotent on every process
-      # Writes the shards of replica 0 only: the primary slice's.
-      registry = ocp.type_handlers.create_type_handler_registry(
-        (
-          jax.Array,
-          ocp.type_handlers.ArrayHandler(
-            primary_host=topology.primary_process, replica_id=0, use_replica_parallel=False
-          ),
-        )
-      )
-      self._manager = ocp.CheckpointManager(
+      self._manager = orbax_manager.create(
+        orbax(),
         self.directory,
-        item_handlers=ocp.PyTreeCheckpointHandler(
-          multiprocessing_options=mp,
-          type_handler_registry=registry,
-          use_compression=options.compression,
-        ),
-        options=ocp.CheckpointManagerOptions(
-          max_to_keep=None,  # retention is the manager's (retention.py)
-          enable_async_checkpointing=True,
-          # timeout: a hung primary-slice process fails Orbax's barriers
-          # after collective_timeout_s, not Orbax's default 20 minutes.
-          async_options=ocp.AsyncOptions(
-            timeout_secs=max(1, int(timeout_s)), post_finalization_callback=self._finalized
-          ),
-          multiprocessing_options=mp,
-          create=False,
-        ),
+        topology=topology,
+        compression=self._options.compression,
+        timeout_s=self._timeout_s,
+        barrier_prefix=self._barrier_prefix,
+        on_finalized=self._finalized,
       )
 
   def _finalized(self) -> None:
@@ -230,21 +138,37 @@ class PersistentTier:
       self._on_finalized(step)
 
   def steps(self) -> list[int]:
-    """Committed (finalized) steps. Any process may call it."""
+    """The committed (finalized) steps, oldest first. Any process may call it.
+
+    Returns:
+      The steps.
+    """
     return list_steps(self.directory)
 
   def busy(self) -> bool:
-    """True while this process's previous upload is still running."""
+    """Whether this process's previous upload is still running.
+
+    Returns:
+      True while it runs.
+    """
     if self._upload is not None and not self._upload.done():
       return True
     return self._manager is not None and self._manager.is_saving_in_progress()
 
   def wait_previous(self, step: int) -> None:
-    """At most ONE upload is in flight: waits for the previous one (and
-    re-raises its error). Waiting (rather than skipping this save) needs no
-    agreement between the primary slice's processes (a skip decided per
-    process would split them across Orbax's barriers) and keeps the
-    persistent tier's promised interval; a warning says how long it waited."""
+    """Waits for the previous upload and re-raises its error: at most ONE is in flight.
+
+    Waiting (rather than skipping this save) needs no agreement between the
+    primary slice's processes (a skip decided per process would split them
+    across Orbax's barriers) and keeps the persistent tier's promised
+    interval; a warning says how long it waited.
+
+    Args:
+      step: the step about to be saved (named in the warning).
+
+    Raises:
+      StorageError: the previous upload failed (its error, translated).
+    """
     if self.busy():
       t0 = time.monotonic()
       previous = self._saving_step
@@ -279,31 +203,51 @@ class PersistentTier:
     self.open()
     self._saving_step = step  # before save: the finalize callback reads it
     try:
-      self._manager.save(step, args=_ocp().args.PyTreeSave(tree))
+      self._manager.save(step, args=orbax().args.PyTreeSave(tree))
     except Exception as e:  # Orbax re-raises the previous upload's error here too
       raise self._translate(e) from e
     failpoints.hit("persistent.after_save_call", step)
 
   def save(self, step: int, tree: Any) -> None:
     """Starts an async save of device arrays, after wait_previous(step).
+
     Called by: every process of the primary slice. Blocks on Orbax's
-    device-to-host copy of the shards."""
+    device-to-host copy of the shards.
+
+    Args:
+      step: the step.
+      tree: the train state (jax.Arrays, replicated over the replica axis).
+
+    Raises:
+      TopologyError: the state is not replicated over the replica axis.
+      StorageError: Orbax failed to start the save (or re-raised an error).
+    """
     self._check_ready()
-    check_replicated(tree, self._topology.replica_axis_name)
+    _check_replicated(tree, self._topology.replica_axis_name)
     self._start(step, tree)
 
   def save_snapshot(
     self, step: int, tree: Any, make_tree: Callable[[], Any], release: Callable[[], None]
   ) -> None:
-    """Starts a save of an immutable host snapshot of `tree` (where
-    upload_memory_kind says so): `make_tree()` builds arrays from the
-    snapshot (on CPU aliasing it; on accelerators in pinned host memory), on
-    the upload thread; `release()` runs once Orbax no longer reads it (the
-    upload ended or failed). Called by: every process of the primary slice,
-    in the same step order, after wait_previous(step). Blocks on nothing."""
+    """Starts a save of an immutable host snapshot (where upload_memory_kind says so).
+
+    Called by: every process of the primary slice, in the same step order,
+    after wait_previous(step). Blocks on nothing; the upload's error
+    surfaces at the next wait_previous() or wait_until_finished().
+
+    Args:
+      step: the step.
+      tree: the train state the snapshot was taken of (checked as save()).
+      make_tree: builds arrays from the snapshot, on the upload thread.
+      release: runs once Orbax no longer reads the snapshot (the upload
+        ended or failed, or this call raised).
+
+    Raises:
+      TopologyError: as save().
+    """
     try:
       self._check_ready()
-      check_replicated(tree, self._topology.replica_axis_name)
+      _check_replicated(tree, self._topology.replica_axis_name)
     except BaseException:
       release()
       raise
@@ -319,13 +263,30 @@ class PersistentTier:
     self._upload = self._uploader.submit(upload)
 
   def delete(self, step: int) -> None:
-    """Deletes `step` (finalization marker first). Called by: the primary process."""
+    """Deletes a step, finalization marker first. Called by: the primary process.
+
+    Args:
+      step: the step.
+    """
     delete_step(self.directory, step)
 
-  def restore(self, step: int, abstract_tree: Any, expected: checksums.Expected) -> Any:
-    """Reads `step` onto abstract_tree's shardings, every byte checked
-    against `expected` (CorruptCheckpointError naming the leaf otherwise).
-    Called by: every process (all alike)."""
+  def restore(self, step: int, abstract_tree: Any, expected: Expected) -> Any:
+    """Reads a step onto abstract_tree's shardings. Called by: every process (all alike).
+
+    Args:
+      step: the step.
+      abstract_tree: the arrays to read (shape, dtype, sharding per leaf).
+      expected: the step's recorded shard checksums; every byte read is
+        checked against them.
+
+    Returns:
+      abstract_tree's tree of arrays.
+
+    Raises:
+      StateMismatchError: abstract_tree does not match the step's record.
+      CorruptCheckpointError: naming the leaf, if a shard fails its CRC32C
+        or the step's Orbax metadata contradicts its record.
+    """
     _, abstract, treedef = shards_lib.leaf_paths(abstract_tree)
     layout, buffer = self.read_into(step, abstract_tree, expected)
     arrays = shards_lib.assemble_buffer(abstract, layout, buffer)
@@ -335,41 +296,37 @@ class PersistentTier:
     self,
     step: int,
     abstract_tree: Any,
-    expected: checksums.Expected,
+    expected: Expected,
     select: Callable[[int, Any], bool] | None = None,
     *,
     buffer: Any = None,
     on_ready: Callable[[int, Any], None] | None = None,
   ) -> tuple[shards_lib.Layout, Any]:
-    """restore()'s checks and read, into (layout, host buffer) instead of
-    arrays; `select`, `buffer`, `on_ready`: as persistent_read.read_into.
-    Called by: every process (as restore())."""
+    """restore()'s checks and read, into one host buffer instead of arrays.
+
+    Called by: every process (as restore()), after `orbax_ready`.
+
+    Args:
+      step: as restore().
+      abstract_tree: as restore().
+      expected: as restore().
+      select: reads only the slots it accepts (as persistent_read.read_into).
+      buffer: write there instead of into a new buffer.
+      on_ready: called as each slot is read and checked.
+
+    Returns:
+      (this process's layout, the host buffer laid out so).
+
+    Raises:
+      StateMismatchError: as restore().
+      CorruptCheckpointError: as restore().
+    """
     if self._orbax_ready is not None:
       self._orbax_ready()
-    ocp = _ocp()
     path = layout.tensor_step_dir(self.directory, step) / layout.ORBAX_ITEM
-    # What was saved, from the step's own checksummed record: a mismatch
-    # there is the caller's; one with Orbax's metadata after it is damage.
-    paths, abstract, _ = shards_lib.leaf_paths(abstract_tree)
-    compat.check_state(
-      {p: (shape, shards_lib.dtype_from_name(dt)) for p, (shape, dt) in expected.arrays.items()},
-      paths,
-      abstract,
-      path,
-      ordered=False,
+    return persistent_read.read_step(
+      path, step, abstract_tree, orbax(), expected, select, buffer=buffer, on_ready=on_ready
     )
-    try:
-      with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ckptr:
-        _check_matches(ckptr.metadata(path), abstract_tree, path)
-      return persistent_read.read_into(
-        path, abstract_tree, ocp, expected, select, buffer=buffer, on_ready=on_ready
-      )
-    except StateMismatchError as e:
-      what = str(e).split(" Pass the abstract_state")[0]
-      raise CorruptCheckpointError(
-        f"persistent step {step}'s stored array metadata is damaged: it contradicts the"
-        f" step's checksummed record of its shapes and dtypes ({what})"
-      ) from e
 
   def _wait_all(self) -> None:
     upload, self._upload = self._upload, None
@@ -382,14 +339,23 @@ class PersistentTier:
       raise self._translate(e) from e
 
   def _translate(self, e: BaseException) -> BaseException:
-    return storage.translate(e, what=f"uploading step {self._saving_step} to", path=self.directory)
+    return gcs_retry.translate(
+      e, what=f"uploading step {self._saving_step} to", path=self.directory
+    )
 
   def wait_until_finished(self, probe: Callable[[], Any] = lambda: None) -> None:
-    """Blocks until the last upload is durable; re-raises its error. If
-    Orbax's barrier timed out (it raises an untyped error carrying the
-    coordination service's DEADLINE_EXCEEDED), calls `probe()` (an exchange
-    that names missing processes, raising CollectiveTimeoutError) and else
-    raises CollectiveTimeoutError saying one process was only slow."""
+    """Blocks until the last upload is durable; re-raises its error.
+
+    Args:
+      probe: called if Orbax's barrier timed out (it raises an untyped error
+        carrying the coordination service's DEADLINE_EXCEEDED): an exchange
+        that names missing processes, raising CollectiveTimeoutError.
+
+    Raises:
+      CollectiveTimeoutError: the barrier timed out (from `probe`, or saying
+        one process was only slow).
+      StorageError: the upload failed.
+    """
     try:
       self._wait_all()
     except Exception as e:
@@ -404,12 +370,20 @@ class PersistentTier:
       ) from e
 
   def in_flight(self) -> concurrent.futures.Future | None:
-    """The background upload started last (done or not), or None."""
+    """The background upload started last.
+
+    Returns:
+      Its future (done or not), or None.
+    """
     return self._upload
 
   def close(self, *, abandon: bool = False) -> None:
-    """Waits for the upload in flight, unless `abandon` (after a failure):
-    then it is left to its thread, uncommitted, and nothing here blocks."""
+    """Waits for the upload in flight, then closes Orbax.
+
+    Args:
+      abandon: after a failure: leave the upload to its thread, uncommitted,
+        and block on nothing.
+    """
     if abandon and self._upload is not None and not self._upload.done():
       logger.warning(
         "%s closing after a failure: the upload of step %s is abandoned (not committed).",

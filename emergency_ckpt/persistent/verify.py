@@ -16,6 +16,7 @@ from etils import epath
 
 from emergency_ckpt.core import layout
 from emergency_ckpt.errors import CorruptCheckpointError
+from emergency_ckpt.persistent import checksums
 from emergency_ckpt.persistent import layout as persistent_layout
 
 METADATA = "_METADATA"
@@ -44,8 +45,16 @@ def _spec(item: epath.Path, name: str, meta: dict) -> dict[str, Any]:
 
 
 def verify_step(root: epath.PathLike, step: int) -> list[str]:
-  """The problems of committed persistent step `step` under `root` (empty
-  if every saved shard matches its recorded CRC32C)."""
+  """Reads every saved shard of a committed persistent step and checks its CRC32C.
+
+  Args:
+    root: the persistent root (path or gs://).
+    step: the step to check.
+
+  Returns:
+    The step's problems, one line each; empty if every saved shard matches
+    its recorded CRC32C.
+  """
   import tensorstore as ts  # noqa: PLC0415 - only the check needs it
 
   root = epath.Path(root)
@@ -73,7 +82,7 @@ def verify_step(root: epath.PathLike, step: int) -> list[str]:
       array = ts.open(_spec(item, name, meta), read=True).result()
       for shard in expected.shards(path):
         box = tuple(slice(lo, hi) for lo, hi in shard.index)
-        expected.check(path, shard, array[box].read().result())
+        checksums.check_shard(expected, path, shard, array[box].read().result())
     except CorruptCheckpointError as e:
       problems.append(str(e))
     except ValueError as e:  # tensorstore: DATA_LOSS, NOT_FOUND, ...

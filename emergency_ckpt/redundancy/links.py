@@ -1,16 +1,16 @@
 """In-slice redundancy of the local tier (local.redundancy): who protects
 whose step, and sending it there after each local write.
 
-"partner" (peer/partner.py): every process keeps a receiver open and sends
+"partner" (partner.py): every process keeps a receiver open and sends
 each local step to its partner, the next process of its slice on another
 machine. Set up once per manager (a collective: which processes share this
 machine, then the partner's address).
 
-"xor" (peer/xor.py, xor_parity.py): the slice's processes form groups on
-distinct machines (a collective within the slice: its last process to
-arrive groups the slice's machines and tells each process its group),
-every member keeps a parity receiver open and sends each local step's
-chunks to the other members (their addresses: one more collective).
+"xor" (xor.py, xor_wire.py, core/parity.py): the slice's processes form
+groups on distinct machines (a collective within the slice: its last
+process to arrive groups the slice's machines and tells each process its
+group), every member keeps a parity receiver open and sends each local
+step's chunks to the other members (their addresses: one more collective).
 
 Either way each send runs on the "redundancy" lane, after the local write
 (with `overlap`: beside it, from the staged snapshot, the manifest
@@ -36,6 +36,7 @@ from emergency_ckpt.core import parity as xor_parity
 from emergency_ckpt.options import REDUNDANCY_OVERLAP_MIN_CPUS
 from emergency_ckpt.redundancy import partner as partner_lib
 from emergency_ckpt.redundancy import xor as xor_lib
+from emergency_ckpt.redundancy import xor_wire
 
 logger = logging.getLogger("emergency_ckpt")
 
@@ -55,12 +56,24 @@ class _Link(abc.ABC):
     manifest: Callable[[], bytes],
     sent: Callable[[], None],
   ) -> tuple[int, float]:
-    """As send(), from `data`, the staged bytes of `step` (its shards at
-    `spans`) that its local write is writing meanwhile: `manifest()` blocks
-    until the write is done and returns the step's raw manifest (raising
-    if it failed: the receivers then drop the step); `sent()` once the
-    bytes are out (the snapshot may be let go). Returns (bytes, seconds).
-    Raises PeerTransferError or OSError. Called by: the redundancy lane."""
+    """As send(), from the staged bytes of a step that its local write is
+    writing meanwhile. Called by: the redundancy lane.
+
+    Args:
+      step: the step.
+      data: its staged bytes (uint8).
+      spans: its shards' (offset, nbytes) in `data`.
+      manifest: blocks until the write is done and returns the step's raw
+        manifest (raising if it failed: the receivers then drop the step).
+      sent: called once the bytes are out (the snapshot may be let go).
+
+    Returns:
+      (bytes sent, seconds).
+
+    Raises:
+      PeerTransferError: a receiver cannot receive, or did not store it.
+      OSError: a connection failed.
+    """
     t0 = time.perf_counter()
     nbytes = self._send_snapshot(step, data, spans, manifest, sent)
     return nbytes, time.perf_counter() - t0
@@ -110,17 +123,32 @@ class Partner(_Link):
     self.overlap = overlap_of(options)
 
   def send_failed(self, step: int, why: str) -> None:
-    """Nothing: the partner waits for no one else."""
+    """Nothing: the partner waits for no one else.
+
+    Args:
+      step: the step whose local write failed.
+      why: the error.
+    """
 
   @property
   def active(self) -> bool:
-    """Whether this process's steps are protected (it has a partner)."""
+    """Returns whether this process's steps are protected (it has a partner)."""
     return self.partner is not None
 
   def send(self, step_dir: str) -> tuple[int, float]:
     """Sends one local step folder to the partner and waits until it is
-    durable there: (bytes, seconds). Raises PeerTransferError or OSError.
-    Called by: the redundancy lane."""
+    durable there. Called by: the redundancy lane.
+
+    Args:
+      step_dir: the written step's folder.
+
+    Returns:
+      (bytes sent, seconds).
+
+    Raises:
+      PeerTransferError: the partner cannot receive, or did not store it.
+      OSError: the step's files or the connection failed.
+    """
     t0 = time.perf_counter()
     nbytes = partner_lib.send(self._offer, self.partner, step_dir, timeout_s=self._timeout_s)
     return nbytes, time.perf_counter() - t0
@@ -132,6 +160,7 @@ class Partner(_Link):
     )  # fmt: skip
 
   def close(self) -> None:
+    """Closes the receiver."""
     self.receiver.close()
 
 
@@ -166,7 +195,7 @@ class Xor(_Link):
         " more machines, lower local.redundancy_group_size, or use 'partner'."
       )
       logger.warning("%s %s", self._prefix, self.problem)
-    self.receiver = xor_lib.ParityReceiver(
+    self.receiver = xor_wire.ParityReceiver(
       process_dir,
       peer_host(options.peer.host),
       member=self.member,
@@ -183,13 +212,24 @@ class Xor(_Link):
 
   @property
   def active(self) -> bool:
+    """Returns whether this process's steps are protected (a group of 2 or more)."""
     return len(self.group) >= 2
 
   def send(self, step_dir: str) -> tuple[int, float]:
     """Sends this member's chunks of one local step folder to the group and
-    waits until every parity block holding them is durable: (bytes,
-    seconds). Raises PeerTransferError or OSError. Called by: the
-    redundancy lane."""
+    waits until every parity block holding them is durable. Called by: the
+    redundancy lane.
+
+    Args:
+      step_dir: the written step's folder.
+
+    Returns:
+      (bytes sent, seconds).
+
+    Raises:
+      PeerTransferError: a member cannot receive, or did not store its block.
+      OSError: the step's files or a connection failed.
+    """
     t0 = time.perf_counter()
     nbytes = xor_lib.send(
       self._offers, self.group, self.member, step_dir, timeout_s=self._timeout_s
@@ -198,8 +238,13 @@ class Xor(_Link):
 
   def send_failed(self, step: int, why: str) -> None:
     """Tells the group this process's local write of `step` failed, so its
-    members drop the step at once (xor.send_failure). Called by: the
-    redundancy lane."""
+    members drop the step at once (xor.send_failure; errors only logged).
+    Called by: the redundancy lane.
+
+    Args:
+      step: the step.
+      why: the write's error.
+    """
     xor_lib.send_failure(
       self._offers, self.group, self.member, step, why, timeout_s=self._timeout_s
     )
@@ -211,12 +256,20 @@ class Xor(_Link):
     )  # fmt: skip
 
   def close(self) -> None:
+    """Closes the receiver (waits for its stored steps' retires)."""
     self.receiver.close()
 
 
 def overlap_of(options) -> bool:
-  """local.redundancy_overlap, resolved: None overlaps where this process
-  may run on at least REDUNDANCY_OVERLAP_MIN_CPUS cores."""
+  """local.redundancy_overlap, resolved.
+
+  Args:
+    options: the manager's CheckpointManagerOptions.
+
+  Returns:
+    The option if set; if None, whether this process may run on at least
+    REDUNDANCY_OVERLAP_MIN_CPUS cores.
+  """
   overlap = options.local.redundancy_overlap
   return overlap if overlap is not None else _cpus() >= REDUNDANCY_OVERLAP_MIN_CPUS
 
@@ -232,11 +285,24 @@ def _cpus() -> int:
 def start(
   options, *, topology, collectives, process_dir: str, host_label: str, mapped=None
 ) -> Partner | Xor | None:
-  """The redundancy link `options.local.redundancy` asks for (None: none).
-  `mapped(stat)`: whether a restore mapped that file (the local tier's
-  LocalTier.mapped): a partner copy's file or a parity block is then never
-  written over.
-  Called by: every process, the same options everywhere."""
+  """The redundancy link `options.local.redundancy` asks for. Called by:
+  every process, the same options everywhere (collectives inside).
+
+  Args:
+    options: the manager's CheckpointManagerOptions.
+    topology: this process's Topology.
+    collectives: the job's Collectives.
+    process_dir: this process's local folder (receivers write there).
+    host_label: this machine's name (who shares a machine).
+    mapped: whether a restore mapped a file (LocalTier.mapped): a partner
+      copy's file or a parity block is then never written over.
+
+  Returns:
+    The Partner or Xor link, or None (no redundancy, or one process).
+
+  Raises:
+    OSError: a receiver cannot listen.
+  """
   if options.local.redundancy == "none" or topology.process_count == 1:
     return None
   if options.local.redundancy == "xor":

@@ -6,24 +6,26 @@ After a local write, the writer's process streams the step's shards.bin
 with local.redundancy_overlap, the staged snapshot that file is written
 from, beside the write; the step's manifest follows the bytes (once the
 write is done, or the write's error: the partner drops the step). The
-partner writes them under its own folder:
+partner writes them under its own folder (local/blocks.py):
   <process dir of the partner>/partner/process_<sender>/step_<N>/
 (a `.tmp-step_<N>-<hex>` folder renamed into place once both files are
 fsync'ed and every shard matched its CRC32C, summed as the bytes arrived),
 keeps the newest `keep` steps per sender (the retired one's folder kept as
 the spare the next step is written over), and answers. The local tier
-lists those folders as copies of the sender's step (local_tier.copies), so
-a restore that lost the sender's host rebuilds it from there
-(reshard_stream.py, `r.source == "partner"`); every shard is checked
-against the CRC32C its writer recorded where it is received or used.
+lists those folders as copies of the sender's step (local/discovery.py),
+so a restore that lost the sender's host rebuilds it from there (the
+restore's reshard transfer, `r.source == "partner"`); every shard is
+checked against the CRC32C its writer recorded where it is received or
+used.
 
 Who partners whom: `choose_partner` (pure): the next process of the slice,
 in slice order, that runs on another machine.
 
-Security: like stream.py, each receiver listens on one address for the
-manager's lifetime and accepts only senders that present the 256-bit token
-it published through the JAX coordination service; requests are JSON, the
-payload raw bytes, nothing received is executed.
+Security: as every peer stream (transport/protocol.py), each receiver
+listens on one address for the manager's lifetime and accepts only senders
+that present the 256-bit token it published through the JAX coordination
+service; requests are JSON, the payload raw bytes, nothing received is
+executed.
 
 Called by: the manager (one Receiver per process while redundancy is on;
 send() on the redundancy lane after each local write).
@@ -41,21 +43,31 @@ from collections.abc import Callable, Mapping, Sequence
 
 from emergency_ckpt.core import failpoints, layout
 from emergency_ckpt.errors import PeerTransferError
+from emergency_ckpt.local import blocks, folders
 from emergency_ckpt.local import format as local_format
-from emergency_ckpt.transport import stream
+from emergency_ckpt.local.incoming import StreamChecksums
+from emergency_ckpt.transport import protocol
 
 logger = logging.getLogger("emergency_ckpt")
 
-PARTNER_DIR = layout.PARTNER_DIR
-_CHUNK = 4 << 20  # received in one call (stream.recv_some), summed and written while in cache
+_CHUNK = 4 << 20  # received in one call (protocol.recv_some), summed and written while in cache
 
 
 def choose_partner(
   me: int, slice_processes: Sequence[int], same_machine: Mapping[int, object]
 ) -> int | None:
-  """The process after `me` in its slice's order (wrapping) on another
-  machine, or None if every process of the slice shares `me`'s machine.
-  `same_machine`: the processes on `me`'s machine (placement's group)."""
+  """Who keeps this process's steps: the process after `me` in its slice's
+  order (wrapping) that runs on another machine. Pure.
+
+  Args:
+    me: this process.
+    slice_processes: its slice's processes, in slice order.
+    same_machine: the processes on `me`'s machine (placement's group).
+
+  Returns:
+    The partner, or None if every process of the slice shares `me`'s
+    machine.
+  """
   procs = list(slice_processes)
   k = procs.index(me)
   for i in range(1, len(procs)):
@@ -65,12 +77,7 @@ def choose_partner(
   return None
 
 
-def partner_dir(process_dir: str, sender: int) -> str:
-  """Where a process keeps `sender`'s steps: <process_dir>/partner/process_<sender>."""
-  return os.path.join(process_dir, PARTNER_DIR, layout.process_dir_name(sender))
-
-
-class Receiver(stream.Listener):
+class Receiver(protocol.Listener):
   """Receives partner steps into this process's folder until close()."""
 
   def __init__(
@@ -84,8 +91,19 @@ class Receiver(stream.Listener):
     ports: tuple[int, int] | None = None,
     mapped: Callable[[os.stat_result], bool] | None = None,
   ):
-    """`mapped(stat)`: whether a restore mapped that file (its pages may be
-    aliased by restored arrays): such a retired copy is never written over."""
+    """Removes what a crashed incarnation left, then listens (OSError if it
+    cannot).
+
+    Args:
+      process_dir: this process's folder (copies go to its `partner`).
+      host: the address to listen on.
+      keep: steps kept per sender.
+      timeout_s: the socket timeout.
+      log_prefix: this process's log prefix.
+      ports: the port range to listen on (None: any).
+      mapped: whether a restore mapped a file (its pages may be aliased by
+        restored arrays): such a retired copy is never written over.
+    """
     self._dir = process_dir
     self._mapped = mapped or (lambda st: False)
     self._keep = keep
@@ -99,15 +117,15 @@ class Receiver(stream.Listener):
     manifest (or the error that ended its local write); answers once the
     step is durable here."""
     try:
-      header = stream._recv_json(conn)  # noqa: SLF001
+      header = protocol.recv_json(conn)
       step, sender = int(header["step"]), int(header["process"])
       spans = [(int(o), int(n)) for o, n in header["spans"]]
       self._store(conn, step, sender, int(header["nbytes"]), spans)
-      stream._send_json(conn, {"ok": True})  # noqa: SLF001
+      protocol.send_json(conn, {"ok": True})
     except Exception as e:  # noqa: BLE001 - the sender sees no "ok" and reports it
       logger.warning("%s partner: a step was not stored: %s", self._prefix, e)
       with contextlib.suppress(OSError):
-        stream._send_json(conn, {"error": str(e)})  # noqa: SLF001
+        protocol.send_json(conn, {"error": str(e)})
 
   def _store(self, conn, step: int, sender: int, nbytes: int, spans) -> None:
     """Writes the step into a temporary folder as its bytes arrive, summing
@@ -116,16 +134,16 @@ class Receiver(stream.Listener):
     folder into place."""
     if failpoints.armed("partner.refuse", step):
       raise OSError("failpoint partner.refuse")  # a test: the partner cannot store it
-    folder = partner_dir(self._dir, sender)
+    folder = blocks.partner_dir(self._dir, sender)
     os.makedirs(folder, mode=0o700, exist_ok=True)
     tmp = os.path.join(folder, layout.tmp_step_dir_name(step))
     os.mkdir(tmp, 0o700)
     try:
-      checks = local_format.StreamChecksums(spans, tmp)
+      checks = StreamChecksums(spans, tmp)
       path = os.path.join(tmp, local_format.SHARDS)
-      reused = layout.take_spare(folder, local_format.SHARDS, path, self._mapped, nbytes)
+      reused = folders.take_spare(folder, local_format.SHARDS, path, self._mapped, nbytes)
       with open(path, "r+b" if reused else "wb") as f:
-        if reused and nbytes:  # measured: 0.39 against 0.48 cpu-s per 4 x 128 MiB
+        if reused and nbytes:  # the spare's pages exist: map them, one copy per byte
           _receive_mapped(conn, f, nbytes, checks)
         else:
           _receive(conn, f, nbytes, checks)
@@ -137,18 +155,18 @@ class Receiver(stream.Listener):
         f.write(manifest)
         f.flush()
         os.fsync(f.fileno())
-      layout.replace_step(tmp, layout.local_step_dir(folder, step))
+      folders.replace_step(tmp, layout.local_step_dir(folder, step))
     except BaseException:
       shutil.rmtree(tmp, ignore_errors=True)
       raise
-    retired = layout.list_local_steps(folder)[: -self._keep]
-    layout.retire_steps(folder, retired, local_format.SHARDS, self._mapped)
+    retired = folders.list_local_steps(folder)[: -self._keep]
+    folders.retire_steps(folder, retired, local_format.SHARDS, self._mapped)
 
 
 def _trailer(conn: socket.socket, step: int, sender: int, nbytes: int) -> tuple[bytes, dict]:
   """The sender's manifest after the bytes (raw, decoded), checked against
   the header; OSError if its local write failed."""
-  raw = stream.recv_manifest(conn, f"process {sender} did not write step {step}")
+  raw = protocol.recv_manifest(conn, f"process {sender} did not write step {step}")
   body = local_format.decode_manifest(raw, "partner trailer")
   if (body.get("step"), body.get("process_index"), body.get("nbytes")) != (step, sender, nbytes):
     raise ValueError(f"the header names step {step} of process {sender}, its manifest another")
@@ -158,11 +176,11 @@ def _trailer(conn: socket.socket, step: int, sender: int, nbytes: int) -> tuple[
 def _cleanup(process_dir: str) -> None:
   """Removes what a crashed incarnation left in the partner folders (steps
   being received, spares, deletions: `.tmp-*`)."""
-  root = os.path.join(process_dir, PARTNER_DIR)
-  for name in layout.names(root):
+  root = os.path.join(process_dir, blocks.PARTNER_DIR)
+  for name in folders.names(root):
     folder = os.path.join(root, name)
     if layout.process_of_dir_name(name) is not None and not os.path.islink(folder):
-      layout.remove_tmp(folder)
+      folders.remove_tmp(folder)
 
 
 def _receive_mapped(conn: socket.socket, f, nbytes: int, checks) -> None:
@@ -174,7 +192,7 @@ def _receive_mapped(conn: socket.socket, f, nbytes: int, checks) -> None:
       pos = 0
       while pos < nbytes:
         view = whole[pos : min(nbytes, pos + _CHUNK)]
-        n = stream.recv_some(conn, view)
+        n = protocol.recv_some(conn, view)
         if not n:
           raise ConnectionError(f"connection closed with {nbytes - pos} of {nbytes} bytes to go")
         checks.update(pos, view[:n])
@@ -184,13 +202,13 @@ def _receive_mapped(conn: socket.socket, f, nbytes: int, checks) -> None:
     mm.close()
 
 
-def _receive(conn: socket.socket, f, nbytes: int, checks: local_format.StreamChecksums) -> None:
+def _receive(conn: socket.socket, f, nbytes: int, checks: StreamChecksums) -> None:
   """`nbytes` from `conn` into the file `f`, through one small buffer that
   stays in cache while its bytes are summed and written."""
   view = memoryview(bytearray(min(_CHUNK, max(nbytes, 1))))
   pos = 0
   while pos < nbytes:
-    n = stream.recv_some(conn, view[: min(len(view), nbytes - pos)])
+    n = protocol.recv_some(conn, view[: min(len(view), nbytes - pos)])
     if not n:
       raise ConnectionError(f"connection closed with {nbytes - pos} of {nbytes} bytes to go")
     checks.update(pos, view[:n])
@@ -199,26 +217,38 @@ def _receive(conn: socket.socket, f, nbytes: int, checks: local_format.StreamChe
 
 
 def send(offer: dict, partner: int, step_dir: str, *, timeout_s: float) -> int:
-  """Sends the local step in `step_dir` to `partner` (its `offer`) and waits
-  until it is durable there; returns the bytes sent. Raises
-  PeerTransferError or OSError. Called by: the redundancy lane, after the
-  local write."""
+  """Sends a written local step to the partner and waits until it is
+  durable there. Called by: the redundancy lane, after the local write.
+
+  Args:
+    offer: the partner's Receiver's offer.
+    partner: its process (for messages).
+    step_dir: the step's folder.
+    timeout_s: the socket timeout.
+
+  Returns:
+    The bytes sent.
+
+  Raises:
+    PeerTransferError: the partner cannot receive, or did not store it.
+    OSError: the step's files or the connection failed.
+  """
   _check_offer(offer, partner)
   with open(os.path.join(step_dir, local_format.MANIFEST), "rb") as f:
     raw = f.read()
   body = local_format.decode_manifest(raw, step_dir)
   path = os.path.join(step_dir, local_format.SHARDS)
   nbytes = os.path.getsize(path)
-  spans = local_format.StreamChecksums.spans_of(body)
+  spans = StreamChecksums.spans_of(body)
   header = _header(body["step"], body["process_index"], nbytes, spans)
-  reply = stream.send_file(
+  reply = protocol.send_file(
     offer,
     header,
     path,
     0,
     nbytes,
     timeout_s=timeout_s,
-    trailer=stream.manifest_trailer(lambda: raw),
+    trailer=protocol.manifest_trailer(lambda: raw),
   )
   return _answered(reply, partner, body["step"], nbytes)
 
@@ -235,12 +265,30 @@ def send_snapshot(
   timeout_s: float,
   sent: Callable[[], None] = lambda: None,
 ) -> int:
-  """As send(), from the staged bytes `data` of `step` (its shards at
-  `spans`) while its local write runs (the file will hold exactly these
-  bytes): `sent()` once they are out, then `manifest()` (blocks until the
-  write is done; an exception's text goes instead, and the partner drops
-  the step). Raises PeerTransferError or OSError. Called by: the
-  redundancy lane, beside the local write."""
+  """As send(), from the staged bytes of a step while its local write runs
+  (the file will hold exactly these bytes). Called by: the redundancy
+  lane, beside the local write.
+
+  Args:
+    offer: the partner's Receiver's offer.
+    partner: its process (for messages).
+    step: the step.
+    process: this process (the step's writer).
+    data: the staged bytes (uint8).
+    spans: the shards' (offset, nbytes) in `data`.
+    manifest: blocks until the write is done and returns the raw
+      manifest; an exception's text goes instead, and the partner drops
+      the step.
+    timeout_s: the socket timeout.
+    sent: called once the bytes are out (or failed): `data` may go.
+
+  Returns:
+    The bytes sent.
+
+  Raises:
+    PeerTransferError: the partner cannot receive, or did not store it.
+    OSError: the connection failed.
+  """
   _check_offer(offer, partner)
 
   out = [False]
@@ -252,12 +300,12 @@ def send_snapshot(
 
   header = _header(step, process, len(data), spans)
   try:
-    reply = stream.send_buffer(
+    reply = protocol.send_buffer(
       offer,
       header,
       data,
       timeout_s=timeout_s,
-      trailer=stream.manifest_trailer(manifest),
+      trailer=protocol.manifest_trailer(manifest),
       sent=bytes_out,
     )
   finally:

@@ -1,1 +1,1 @@
-"""Restore: what every process holds (the inventory exchange), the pure plan that picks the step and each slice's source, and its execution with fallback."""
+"""Restore: what every process holds (the inventory exchange), the pure plan that picks the step and each slice's source, and its execution with fallback: the candidate loop (restorer), the reads from each source (sources), and the reshard of ramdisk copies saved on another mesh (reshard_transfer, with its XOR rebuild phase)."""

@@ -16,6 +16,9 @@ held by a copy or rebuildable from its group (every other member holds
 its own copy and parity block): each such slice holds the whole state.
 O(steps x saved slices) for everyone when copies are whole (positions as
 ranges).
+
+Called by: plan.py's slice and job summaries (inside gather_tree), on the
+process that summarises. Blocks on nothing.
 """
 
 from __future__ import annotations
@@ -25,7 +28,14 @@ from typing import Any
 
 
 def ranges(values: Sequence[int]) -> list[list[int]]:
-  """Sorted ints as [first, last] runs: [0, 1, 2, 5] -> [[0, 2], [5, 5]]."""
+  """Sorted ints as [first, last] runs: [0, 1, 2, 5] -> [[0, 2], [5, 5]].
+
+  Args:
+    values: sorted ints.
+
+  Returns:
+    The runs.
+  """
   out: list[list[int]] = []
   for v in values:
     if out and out[-1][1] == v - 1:
@@ -47,7 +57,13 @@ def _entry(into: dict, step, topo: str, sl, size: int) -> dict:
 
 
 def add_report(into: dict, copies: Mapping, parity: Mapping) -> None:
-  """Adds one process's report (see the module docstring) to `into`."""
+  """Adds one process's report (see the module docstring) to `into`.
+
+  Args:
+    into: the merged summary so far (changed in place).
+    copies: the process's copies report.
+    parity: the process's parity report.
+  """
   for step, found in copies.items():
     for topo, _process, sl, position, size, *partner in found:
       e = _entry(into, step, topo, sl, size)
@@ -62,7 +78,12 @@ def add_report(into: dict, copies: Mapping, parity: Mapping) -> None:
 
 
 def add_summary(into: dict, summary: Mapping) -> None:
-  """Adds a packed summary (pack()) to `into`."""
+  """Adds a packed summary (pack()) to `into`.
+
+  Args:
+    into: the merged summary so far (changed in place).
+    summary: a packed summary.
+  """
   for step, by_topo in summary.items():
     for topo, slices in by_topo.items():
       for sl, v in slices.items():
@@ -73,7 +94,14 @@ def add_summary(into: dict, summary: Mapping) -> None:
 
 
 def pack(merged: Mapping) -> dict:
-  """A merged summary as JSON (positions as ranges)."""
+  """A merged summary as JSON.
+
+  Args:
+    merged: the merged summary.
+
+  Returns:
+    It as JSON, positions as ranges.
+  """
   return {
     step: {
       topo: {
@@ -91,7 +119,14 @@ def pack(merged: Mapping) -> dict:
 
 
 def rebuildable(e: Mapping[str, Any]) -> set[int]:
-  """Positions no copy holds that their XOR group can rebuild."""
+  """Positions no copy holds that their XOR group can rebuild.
+
+  Args:
+    e: one saved slice's merged entry.
+
+  Returns:
+    The positions.
+  """
   out = set()
   for group in e["groups"]:
     for m in group:
@@ -101,11 +136,18 @@ def rebuildable(e: Mapping[str, Any]) -> set[int]:
 
 
 def complete(merged: Mapping) -> dict:
-  """{step: {"topology": digest, "slices": saved slices every position of
-  which is held or rebuildable, "partner_only": {slice: positions only
-  partner copies hold}, "parity_only": {slice: positions only parity
-  rebuilds}, "groups": {slice: XOR groups}}}, for the steps some saved
-  slice is complete for (the topology with most such)."""
+  """The saved slices the ramdisks serve whole, per step.
+
+  Args:
+    merged: the merged summary.
+
+  Returns:
+    {step: {"topology": digest, "slices": saved slices every position of
+    which is held or rebuildable, "partner_only": {slice: positions only
+    partner copies hold}, "parity_only": {slice: positions only parity
+    rebuilds}, "groups": {slice: XOR groups}}}, for the steps some saved
+    slice is complete for (the topology with most such).
+  """
   out = {}
   for step, by_topo in merged.items():
     best = None

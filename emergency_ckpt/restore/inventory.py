@@ -3,22 +3,29 @@
 Each process reports its inventory (its usable local steps, and from the
 primary process the persistent and committed state steps); one gather_tree
 summarises them per slice and then for the job, so every process gets the
-same summary (restore_plan.JobInventory) and computes the same restorable
+same summary (restore_summary.JobInventory) and computes the same restorable
 steps, and nobody receives every process's inventory. Once per manager, the
 processes of each machine compare slices (placement.py: no machine may run
 processes of two slices). metadata(step) is one more gather_tree.
 
-Called by: every process (collectives through topology.Collectives).
+Called by: every process (collectives through cluster.collectives.Collectives).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from emergency_ckpt.cluster import placement
 from emergency_ckpt.errors import StepError
 from emergency_ckpt.persistent import layout as persistent_layout
 from emergency_ckpt.restore import plan as restore_plan
+from emergency_ckpt.restore import summary as restore_summary
+
+if TYPE_CHECKING:
+  from emergency_ckpt.cluster.collectives import Collectives
+  from emergency_ckpt.cluster.context import JobContext
+  from emergency_ckpt.restore.tiers import LocalSource, PersistentSource, StateSource
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,20 +55,43 @@ class StepMetadata:
 class Inventory:
   """This process's view of the job's checkpoints, through exchanges."""
 
-  def __init__(self, *, topology, collectives, local, persistent, state, events, host: str):
-    self._topology = topology
-    self._collectives = collectives
+  def __init__(
+    self,
+    ctx: JobContext,
+    *,
+    local: LocalSource,
+    persistent: PersistentSource,
+    state: StateSource,
+    host: str,
+  ):
+    """Args:
+    ctx: the job.
+    local: this process's local tier.
+    persistent: the persistent tier (listed by the primary process only).
+    state: the state store (listed by the primary process only).
+    host: this process's machine (cluster.topology.host_identity).
+    """
+    self._topology = ctx.topology
+    self._collectives = ctx.collectives
     self._local = local
     self._persistent = persistent
     self._state = state
-    self._events = events
+    self._events = ctx.events
     self._host = host
     self._placement_checked = False
     self.placement_problem: str | None = None
     """See CheckpointManager.placement_problem."""
 
-  def exchange(self, name: str) -> restore_plan.JobInventory:
-    """The job's inventory, summarised. Called by: every process."""
+  def exchange(self, name: str) -> restore_summary.JobInventory:
+    """The job's inventory, summarised. Called by: every process. Blocks
+    on one gather_tree (and, the first time, the machine's group_by).
+
+    Args:
+      name: the exchange's key name (unique per call site).
+
+    Returns:
+      The job summary, the same on every process.
+    """
     topo = self._topology
     first = not self._placement_checked
     # First: the machine's processes; it also tells the local tier whose
@@ -73,7 +103,7 @@ class Inventory:
       listed = self._state.listed_steps()
       state_steps = self._state.committed_steps(listed)
       uncommitted = sorted(set(listed) - set(state_steps))
-    inv = restore_plan.Inventory(
+    inv = restore_summary.Inventory(
       process=topo.process_index,
       slice=topo.slice_index,
       local_steps=tuple(local),
@@ -111,7 +141,7 @@ class Inventory:
       return {"host": self._host, "processes": sorted(mine)}
     return None
 
-  def _judge_placement(self, job: restore_plan.JobInventory) -> None:
+  def _judge_placement(self, job: restore_summary.JobInventory) -> None:
     """Does any machine run processes of two slices? From the reports in
     the first job summary (the first REJECTED_SHOWN machines, of a count)."""
     topo = self._topology
@@ -122,11 +152,29 @@ class Inventory:
       self._events.record("placement", hosts=job.placement_count, error=self.placement_problem)
 
   def restorable_steps(self, name: str) -> list[int]:
-    """Restorable steps by markers, oldest first (the same on every process)."""
+    """Restorable steps by markers, oldest first. Called by: every process
+    (one exchange).
+
+    Args:
+      name: the exchange's key name.
+
+    Returns:
+      The steps, the same on every process.
+    """
     return sorted(c.step for c in restore_plan.candidates(self.exchange(name)))
 
   def metadata(self, step: int) -> StepMetadata:
-    """See CheckpointManager.metadata. Called by: every process (one gather_tree)."""
+    """See CheckpointManager.metadata. Called by: every process (one gather_tree).
+
+    Args:
+      step: the step to describe.
+
+    Returns:
+      Its metadata, the same on every process.
+
+    Raises:
+      StepError: no tier has it.
+    """
     topo = self._topology
     self._local.usable_steps()  # copies other processes left on this host count too
     mine: dict = {"local": self._local.step_bytes(step)}
@@ -174,15 +222,26 @@ class Inventory:
     )
 
 
-def gather(collectives, inv: restore_plan.Inventory, name: str) -> restore_plan.JobInventory:
+def gather(
+  collectives: Collectives, inv: restore_summary.Inventory, name: str
+) -> restore_summary.JobInventory:
   """Every process's `inv`, summarised per slice and then for the job (see
-  restore_plan.slice_summary, job_summary). Called by: every process; what
-  the scale benchmark measures."""
+  restore_summary.slice_summary, job_summary). Called by: every process; what
+  the scale benchmark measures.
+
+  Args:
+    collectives: the job's collectives.
+    inv: this process's inventory.
+    name: the exchange's key name.
+
+  Returns:
+    The job summary, the same on every process.
+  """
   slices = collectives.topology.slice_processes
   got = collectives.gather_tree(
     name,
     inv.to_json(),
-    per_slice=lambda s, values: restore_plan.slice_summary(s, values, len(slices[s])),
-    combine=lambda sums: restore_plan.job_summary(sums, len(slices)),
+    per_slice=lambda s, values: restore_summary.slice_summary(s, values, len(slices[s])),
+    combine=lambda sums: restore_summary.job_summary(sums, len(slices)),
   )
-  return restore_plan.JobInventory.from_json(got)
+  return restore_summary.JobInventory.from_json(got)

@@ -1,6 +1,6 @@
 """Applies the retention rules to this process's tiers, in the background.
 
-The rules (which steps to keep) are pure (retention.py, shared with
+The plans (which steps to keep) are pure (rules.py, plans.py, shared with
 `emergency-ckpt gc`); this module lists the tiers, asks the rules, and
 deletes. When it runs:
 - local: after each local write of this process, and again when a commit
@@ -18,7 +18,8 @@ import logging
 import threading
 
 from emergency_ckpt.core.records import StepRecords
-from emergency_ckpt.retention import rules as retention
+from emergency_ckpt.retention import plans
+from emergency_ckpt.retention.rules import Rules
 from emergency_ckpt.runtime.background import Background
 
 logger = logging.getLogger("emergency_ckpt")
@@ -26,7 +27,18 @@ logger = logging.getLogger("emergency_ckpt")
 
 class Retainer:
   """Retention of one process's local copies (every process) and of the
-  state store and persistent tier (the primary process)."""
+  state store and persistent tier (the primary process).
+
+  Args:
+    options: the manager's options (each tier's rules, best_metric).
+    topology: this job's slices and processes.
+    local: this process's local tier.
+    persistent: the persistent tier.
+    state: the state store.
+    collectives: the commit signals between processes.
+    records: the metrics of this process's saves.
+    background: the manager's background lanes.
+  """
 
   def __init__(
     self,
@@ -55,8 +67,15 @@ class Retainer:
 
   # ---- ranking ---------------------------------------------------------------
   def metrics_of(self, steps) -> dict[int, dict]:
-    """Metrics of `steps`: from save() calls, else from their COMMIT records
-    (uncommitted steps are unknown, never counted as best)."""
+    """Metrics of steps, from save() calls, else from their COMMIT records.
+
+    Args:
+      steps: the steps to rank.
+
+    Returns:
+      {step: metrics} of those whose metrics are known (uncommitted steps
+      are unknown, never counted as best); {} without a best_metric.
+    """
     if self._options.best_metric is None:
       return {}
     out = {}
@@ -77,9 +96,9 @@ class Retainer:
     spares for later saves), and the copies found in other processes'
     folders on this host by the same rules (a restart onto other hosts)."""
     steps = self._local.held_steps()
-    plan = retention.local_plan(
+    plan = plans.local_plan(
       steps,
-      self._options.retention("local"),
+      Rules.for_tier(self._options, "local"),
       is_committed=self._state.has_commit,  # no listing per save (issue 15)
       metrics=self.metrics_of(steps),
     )
@@ -98,14 +117,14 @@ class Retainer:
     """Primary process: deletes state steps no tier needs any more."""
     listed = self._state.listed_steps()  # one listing of the root per save
     committed = self._state.committed_steps(listed)  # new COMMITs read, once each
-    plan = retention.state_plan(
+    plan = plans.state_plan(
       listed,
       committed,
-      self._options.retention("local"),
+      Rules.for_tier(self._options, "local"),
       persistent=self._persistent.steps(),
       persistent_interval=self._options.persistent.save_interval_steps,
       metrics=self.metrics_of(committed),
-      extra_newest=retention.LOCAL_LAG_STEPS,
+      extra_newest=plans.LOCAL_LAG_STEPS,
     )
     for step in sorted(plan.delete):
       self._state.delete(step)
@@ -115,9 +134,9 @@ class Retainer:
     newest restorable one (newest finalized step with committed state) nor
     anything newer."""
     committed = self._state.committed_steps()
-    plan = retention.persistent_plan(
+    plan = plans.persistent_plan(
       self._persistent.steps(),
-      self._options.retention("persistent"),
+      Rules.for_tier(self._options, "persistent"),
       committed=committed,
       metrics=self.metrics_of(committed),
     )
@@ -127,8 +146,14 @@ class Retainer:
 
   # ---- scheduling ------------------------------------------------------------
   def after_local_write(self, step: int) -> None:
-    """Queues local retention after this process's write of `step` (off the
-    write thread: deleting old steps is not this save's durability)."""
+    """Queues local retention after this process's local write of a step.
+
+    Runs off the write thread: deleting old steps is not this save's
+    durability.
+
+    Args:
+      step: the step just written.
+    """
     self._background.submit("retention", self._after_write, step)
 
   def _after_write(self, step: int) -> None:
@@ -137,7 +162,11 @@ class Retainer:
       self._watch_commit(step)
 
   def over_budget(self) -> bool:
-    """More local steps than max_to_keep: a new commit may free one."""
+    """Whether a new commit may free a local step.
+
+    Returns:
+      True if this process holds more local steps than max_to_keep.
+    """
     return len(self._local.held_steps()) > self._options.local.max_to_keep
 
   def local_soon(self) -> None:
@@ -177,7 +206,13 @@ class Retainer:
       pass
 
   def after_commit(self, step: int) -> None:
-    """Primary process, on the commit lane, once `step` committed."""
+    """Signals a commit and runs the retention it allows.
+
+    Called by: the primary process, on the commit lane.
+
+    Args:
+      step: the step whose state just committed.
+    """
     self._collectives.signal(f"committed_{step}")
     if self._signalled is not None:  # watchers of older steps were ended by newer ones
       self._collectives.forget(signal=f"committed_{self._signalled}")

@@ -14,28 +14,64 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
 
-from emergency_ckpt.runtime.staging import lower_thread_priority
-
 logger = logging.getLogger("emergency_ckpt")
+
+BACKGROUND_NICE = 19
+
+
+def lower_thread_priority() -> None:
+  """Runs the calling thread at the lowest CPU priority (Linux: nice is per
+  thread). For background work that only prepares for later (the next
+  save's staging buffer): at normal priority, preparing right after a peer
+  restore competed with the restore's tail (block_until_ready) for the
+  cores and made the whole restore slower. Elsewhere a no-op.
+
+  Called by: a low-priority lane's thread, as it starts (Background.lane).
+  """
+  if not sys.platform.startswith("linux"):
+    return
+  try:
+    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+  except OSError as e:  # e.g. a sandbox forbids it: only slower
+    logger.debug("cannot lower the priority of %s: %s", threading.current_thread().name, e)
 
 
 class Lane(concurrent.futures.ThreadPoolExecutor):
   """One lane: a serial executor (one thread) that remembers its last task,
   so that waiting for what is queued costs nothing on an idle lane. A no-op
-  task to wait for starts the lane's thread if it has none, or hands off to
-  it and back: a scheduling round each, which took milliseconds per call
-  with 64 processes on 2 cores, twice per lane before every restore()."""
+  task to wait for would start the lane's thread if it has none, or hand off
+  to it and back: a scheduling round each, on a loaded machine, twice per
+  lane before every restore()."""
 
   def __init__(self, name: str, initializer: Callable[[], Any] | None = None):
+    """A lane with no thread yet.
+
+    Args:
+      name: its thread's name prefix.
+      initializer: run by its thread as it starts (e.g. lower_thread_priority).
+    """
     super().__init__(1, name, initializer=initializer)
     self._last_lock = threading.Lock()
     self._last: concurrent.futures.Future | None = None
 
   def submit(self, fn, /, *args, **kwargs) -> concurrent.futures.Future:
+    """Queues fn(*args, **kwargs) behind the lane's earlier tasks.
+
+    Args:
+      fn, args, kwargs: the task.
+
+    Returns:
+      Its future.
+
+    Raises:
+      RuntimeError: the lane was shut down.
+    """
     with self._last_lock:  # the lane runs tasks in this order
       fut = super().submit(fn, *args, **kwargs)
       self._last = fut
@@ -54,6 +90,11 @@ class Background:
   """Named serial lanes and the futures of tracked tasks."""
 
   def __init__(self, log_prefix: str = ""):
+    """No lanes yet.
+
+    Args:
+      log_prefix: the prefix of its log lines (Topology.log_prefix()).
+    """
     self._log_prefix = log_prefix
     self._lock = threading.Lock()
     self._lanes: dict[str, Lane] = {}
@@ -64,9 +105,19 @@ class Background:
     self._closed = False
 
   def lane(self, name: str, *, low_priority: bool = False) -> Lane:
-    """The serial executor named `name` (created on first use). Its thread
-    runs at the lowest CPU priority if `low_priority` (work that only
-    prepares for later). RuntimeError for a new lane after close()."""
+    """The serial executor named `name` (created on first use).
+
+    Args:
+      name: the lane's name.
+      low_priority: its thread runs at the lowest CPU priority (work that
+        only prepares for later); counts only when the lane is created.
+
+    Returns:
+      The lane.
+
+    Raises:
+      RuntimeError: a new lane after close().
+    """
     with self._lock:
       lane = self._lanes.get(name)
       if lane is None:
@@ -77,13 +128,28 @@ class Background:
       return lane
 
   def submit(self, lane: str, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
-    """Runs fn(*args) on `lane`, tracked (its error is raised later)."""
+    """Runs fn(*args) on `lane`, tracked (its error is raised later).
+
+    Args:
+      lane: the lane's name.
+      fn, args: the task.
+
+    Returns:
+      Its future.
+
+    Raises:
+      RuntimeError: the lane takes no more work (closed).
+    """
     fut = self.lane(lane).submit(fn, *args)
     self.track(fut)
     return fut
 
   def try_submit(self, lane: str, fn: Callable[..., Any], *args: Any) -> None:
-    """submit(), or nothing once the runtime is closing."""
+    """submit(), or nothing once the runtime is closing.
+
+    Args:
+      lane, fn, args: as for submit().
+    """
     try:
       self.submit(lane, fn, *args)
     except RuntimeError:  # the lane takes no more work
@@ -95,7 +161,11 @@ class Background:
     return self._failed
 
   def track(self, fut: concurrent.futures.Future) -> None:
-    """Keeps `fut`'s error for raise_errors() / wait()."""
+    """Keeps `fut`'s error for raise_errors() / wait().
+
+    Args:
+      fut: a future of work this runtime owns.
+    """
 
     def done(f: concurrent.futures.Future) -> None:
       e = f.exception()
@@ -112,7 +182,11 @@ class Background:
     fut.add_done_callback(done)
 
   def raise_errors(self) -> None:
-    """Raises the first error of a tracked task not raised yet."""
+    """Raises the first error of a tracked task not raised yet.
+
+    Raises:
+      That error, once.
+    """
     with self._lock:
       errors, self._errors = self._errors, []
     if errors:
@@ -127,7 +201,14 @@ class Background:
     any: e.g. an upload another module owns) is done, raising the first error
     as soon as any tracked task fails: a process whose step failed must not
     sit behind work that waits for a process that already failed the same
-    way. A failed `extra` future ends the wait (its owner raises it)."""
+    way. A failed `extra` future ends the wait (its owner raises it).
+
+    Args:
+      extra: returns another future to wait for, or None.
+
+    Raises:
+      The first error of a tracked task not raised yet.
+    """
     while True:
       self.raise_errors()
       upload = extra()
@@ -151,19 +232,30 @@ class Background:
           raise e
 
   def drain(self) -> None:
-    """Blocks until every tracked task is done, then raises the first error
-    not raised yet."""
+    """Blocks until every tracked task is done.
+
+    Raises:
+      The first error of a tracked task not raised yet.
+    """
     while pending := self._pending_now():
       concurrent.futures.wait(pending)
     self.raise_errors()
 
   def flush(self, lane: str) -> None:
-    """Blocks until the tasks queued on `lane` so far are done."""
+    """Blocks until the tasks queued on `lane` so far are done.
+
+    Args:
+      lane: the lane's name.
+    """
     self.lane(lane).wait_queued()
 
   def close(self, lanes: tuple[str, ...] = ()) -> None:
     """Shuts down `lanes` first, in order, then every other lane; waits for
-    queued tasks."""
+    queued tasks.
+
+    Args:
+      lanes: the lanes to shut down first.
+    """
     with self._lock:
       self._closed = True
       order = [n for n in lanes if n in self._lanes]

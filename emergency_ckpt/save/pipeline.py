@@ -1,53 +1,53 @@
 """One save, from save()'s copy to COMMIT: the order of the steps and who runs them.
 
-In save() (the trainer's thread; the only stall):
-  copy this process's shards into a host snapshot (staging.py), inside the
-  machine-wide staging window; start the background work below.
-In the background (lanes of background.py):
-  local write (every slice, the primary too) -> with local.redundancy, the
-  partner copy or XOR chunks (with overlap: sent from the snapshot beside
-  the write) -> this process's JSON state
-  (after the local write, so COMMIT means every process finished its save of
-  the step, even a failed one: a peer or the persistent tier may still serve
-  it) -> on the primary process, COMMIT once every JSON exists -> retention.
-  Primary slice at persistent steps: the upload, from arrays aliasing the
-  snapshot on CPU (Orbax inline elsewhere: its device-to-host copy must end
-  before the trainer may donate the arrays); its JSON state carries the
-  CRC32C of each shard it holds (the local write's, else summed from the
-  snapshot), and the primary
-  writes the step's shard table before COMMIT (checksums.py).
+In save() (the trainer's thread; the only stall): copy this process's
+shards into a host snapshot (runtime/staging.py), inside the machine-wide
+staging window; start the background work below.
+In the background (lanes of runtime/background.py): local write (every
+slice, the primary too) -> with local.redundancy, the partner copy or XOR
+chunks (with overlap: sent from the snapshot beside the write) -> this
+process's JSON state (after the local write, so COMMIT means every process
+finished its save of the step, even a failed one: a peer or the persistent
+tier may still serve it) -> on the primary, COMMIT once every JSON exists
+-> retention (commit.py). Primary slice at persistent steps: the upload,
+from arrays aliasing the snapshot on CPU (Orbax inline elsewhere: its
+device-to-host copy must end before the trainer may donate the arrays);
+its JSON state carries the CRC32C of each shard it holds, and the primary
+writes the step's shard table before COMMIT.
 
 No collective anywhere in save(); the persistent upload's barriers span the
-primary slice's processes only.
+primary slice's processes only. Called by: the manager's save(), on the
+trainer's thread; the rest runs on the background lanes.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 
-from emergency_ckpt.core import failpoints
 from emergency_ckpt.core import shards as shards_lib
-from emergency_ckpt.core.records import StepRecords
-from emergency_ckpt.core.telemetry import EventLog
+from emergency_ckpt.core.records import check_metrics
 from emergency_ckpt.errors import PeerTransferError
 from emergency_ckpt.local import format as local_format
-from emergency_ckpt.local.tier import LocalTier, WriteResult
-from emergency_ckpt.persistent import checksums
-from emergency_ckpt.persistent import layout as persistent_layout
-from emergency_ckpt.retention.retainer import Retainer
-from emergency_ckpt.runtime.background import Background
-from emergency_ckpt.runtime.staging import HostSnapshot, StagingArea
+from emergency_ckpt.persistent.upload_memory import upload_memory_kind
 from emergency_ckpt.save import policies
-from emergency_ckpt.state.store import StateStore
+from emergency_ckpt.save.commit import ShardSums
+from emergency_ckpt.state.data_state import encode_data_state
+
+if TYPE_CHECKING:
+  from emergency_ckpt.cluster.context import JobContext
+  from emergency_ckpt.core.records import StepRecords
+  from emergency_ckpt.local.tier import WriteResult
+  from emergency_ckpt.runtime.background import Background
+  from emergency_ckpt.runtime.staging import HostSnapshot, StagingArea
+  from emergency_ckpt.save.commit import Commits
+  from emergency_ckpt.save.tiers import LocalWriter, RedundancyLink
 
 logger = logging.getLogger("emergency_ckpt")
 
@@ -67,41 +67,15 @@ def _once(fn: Callable[[], None]) -> Callable[[], None]:
 
 
 def tiers_of(decision: policies.SaveDecision) -> list[str]:
-  """The names of the tiers `decision` saves to."""
+  """The names of the tiers a decision saves to.
+
+  Args:
+    decision: the save decision.
+
+  Returns:
+    ["local"], ["persistent"], both, or [].
+  """
   return [t for t, on in (("local", decision.local), ("persistent", decision.persistent)) if on]
-
-
-@dataclasses.dataclass
-class _Checksums:
-  """What a persistent step's shard checksums are made from (primary slice)."""
-
-  snapshot: HostSnapshot
-  release: Callable[[], None]
-  """Lets the snapshot's buffer go (a hold() taken in save())."""
-  paths: list[str]
-  abstract: list[Any]
-
-  def crcs(self, local: LocalTier | None) -> dict:
-    """This process's shard CRC32Cs: from `local`'s manifest of the step if
-    its write succeeded (it summed these very bytes), else summed from the
-    snapshot (checksums.snapshot_crcs); lets go of the snapshot, once."""
-    try:
-      if local is not None:
-        try:
-          got = checksums.manifest_crcs(local.manifest(self.snapshot.step))
-        except (OSError, ValueError, KeyError, TypeError):  # gone or damaged: sum again
-          got = None
-        if got is not None:
-          return got
-      self.snapshot.wait_filled()
-      return checksums.snapshot_crcs(self.snapshot.layout, self.snapshot.buffer)
-    finally:
-      self.let_go()
-
-  def let_go(self) -> None:
-    """Lets go of the snapshot (once; later calls do nothing)."""
-    release, self.release = self.release, lambda: None
-    release()
 
 
 class SavePipeline:
@@ -109,56 +83,100 @@ class SavePipeline:
 
   def __init__(
     self,
-    options,
+    ctx: JobContext,
     *,
-    topology,
+    commits: Commits,
+    local: LocalWriter,
     staging: StagingArea,
-    local: LocalTier,
-    persistent,
-    state: StateStore,
-    retainer: Retainer,
-    collectives,
     records: StepRecords,
-    events: EventLog,
     background: Background,
-    upload_snapshots: bool,
-    upload_memory_kind: str | None = None,
-    redundancy=None,
+    redundancy: RedundancyLink | None = None,
   ):
-    """`upload_snapshots`: the persistent upload reads the staged snapshot
-    instead of Orbax copying the device arrays inline, handing Orbax arrays
-    in `upload_memory_kind` (persistent_tier.upload_memory_kind).
-    `redundancy`: the partner link (redundancy.start), or None."""
-    self._options = options
-    self._topology = topology
-    self._staging = staging
+    """Decides, once, whether the persistent upload reads the staged
+    snapshot instead of Orbax copying the device arrays inline, and in
+    which memory kind it hands Orbax those arrays
+    (upload_memory.upload_memory_kind: a probe transfer on accelerators).
+
+    Args:
+      ctx: the job.
+      commits: the end of each save (state file, COMMIT, finalization),
+        with the persistent tier and the retainer.
+      local: this process's local tier.
+      staging: the staging area (host snapshots).
+      records: the manager's per-step records.
+      background: the manager's background lanes.
+      redundancy: the partner or XOR link (redundancy.links.start), or None.
+    """
+    self._ctx = ctx
+    self._commits = commits
+    self._persistent = commits.persistent
     self._local = local
-    self._persistent = persistent
-    self._state = state
-    self._retainer = retainer
-    self._collectives = collectives
+    self._staging = staging
     self._records = records
-    self._events = events
     self._background = background
-    self._upload_snapshots = upload_snapshots
-    self._upload_memory_kind = upload_memory_kind
     self._redundancy = redundancy
+    self._upload_snapshots, self._upload_memory_kind = upload_memory_kind(ctx.mesh.local_devices)
 
   def save(
+    self,
+    step: int,
+    state: Any,
+    data_state: Any,
+    *,
+    metrics: dict[str, float] | None,
+    force: bool,
+  ) -> bool:
+    """Saves `step` to the tiers whose interval it hits (both if `force`):
+    stages `state` and starts the background work; records the save event.
+    Called by: every process (the manager's save(), which checked the step).
+    Blocks on the copy only (and on a free staging buffer, and on the
+    primary slice at persistent steps on the previous upload: at most one
+    is in flight).
+
+    Args:
+      step: the step.
+      state: the train state (jax.Arrays).
+      data_state: this process's data state, as save() got it.
+      metrics: the step's metrics, as save() got them.
+      force: save to both tiers, whatever the intervals.
+
+    Returns:
+      True if any tier saves; False if `step` hits no interval.
+
+    Raises:
+      DataStateError: `data_state` cannot be stored as JSON.
+      MetricsError: `metrics` is not a dict of finite numbers.
+      EmergencyCheckpointError: earlier background work failed (its error),
+        e.g. StorageError from the previous upload (wait_previous).
+    """
+    options = self._ctx.options
+    decision = policies.decide_save(
+      step,
+      local_interval=options.local.save_interval_steps,
+      persistent_interval=options.persistent.save_interval_steps,
+      force=force,
+    )
+    if not decision.any:
+      return False
+    started = time.monotonic()
+    data_state = encode_data_state(data_state)
+    metrics = check_metrics(metrics)
+    self._background.raise_errors()
+    self._start(step, state, data_state, decision, metrics, started)
+    return True
+
+  def _start(
     self,
     step: int,
     state: Any,
     data_state: dict | None,
     decision: policies.SaveDecision,
     metrics: dict,
-    *,
     started: float,
   ) -> None:
     """Stages `state` and starts the background work of `decision`; records
-    the save event (`started`: time.monotonic() when save() began). Blocks on
-    the copy only (and on a free staging buffer, and on the primary slice at
-    persistent steps on the previous upload: at most one is in flight)."""
-    topo = self._topology
+    the save event (`started`: time.monotonic() when save() began)."""
+    topo = self._ctx.topology
     self._records.started.put(step, started)
     paths, leaves, treedef = shards_lib.leaf_paths(state)
     self._records.metrics.put(step, metrics)
@@ -192,7 +210,7 @@ class SavePipeline:
       abstract, sums = None, None
       if persistent:
         abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in leaves]
-        sums = _Checksums(snapshot, snapshot.hold(), paths, abstract)
+        sums = ShardSums(snapshot, snapshot.hold(), paths, abstract)
       nbytes = 0
       if decision.local:
         nbytes = snapshot.layout.nbytes
@@ -226,7 +244,7 @@ class SavePipeline:
       else:
         if snapshot is not None:
           snapshot.release()
-        self._queue_state(step, data_state, sums)
+        self._commits.queue_state(step, data_state, sums)
       if snapshot_upload:
 
         def snapshot_tree() -> Any:  # on the upload thread
@@ -238,7 +256,7 @@ class SavePipeline:
         self._persistent.save_snapshot(step, state, snapshot_tree, release)
       elif persistent:
         self._persistent.save(step, state)
-    self._events.record(
+    self._ctx.events.record(
       "save",
       step=step,
       tiers=tiers_of(decision),
@@ -247,37 +265,25 @@ class SavePipeline:
     )
 
   # ---- background ------------------------------------------------------------
-  def durable(self, step: int, tier: str, nbytes: int | None, error: str | None = None) -> None:
-    """Records that `tier` holds `step` (or failed to)."""
-    t0 = self._records.started.get(step)
-    self._events.record(
-      "save_durable" if error is None else "save_failed",
-      step=step,
-      tier=tier,
-      durable_s=None if t0 is None else round(time.monotonic() - t0, 6),
-      bytes=nbytes,
-      error=error,
-    )
-
   def _after_local(
     self,
     result: WriteResult,
     data_state: dict | None,
-    sums: _Checksums | None,
+    sums: ShardSums | None,
     persistent: bool = False,
     *,
     early: bool = False,
   ) -> None:
     """`early`: the redundancy lane already sends the step (_protect_early)
     and queues its state."""
-    self.durable(result.step, "local", result.nbytes, result.error)
+    self._commits.durable(result.step, "local", result.nbytes, result.error)
     link = self._redundancy
     if early:
       pass
     elif link is not None and link.active and not result.ok:
       # the group does not wait for this process's chunks until its timeout
       self._background.submit("redundancy", link.send_failed, result.step, result.error or "")
-      self._queue_state(result.step, data_state, sums)
+      self._commits.queue_state(result.step, data_state, sums)
     elif result.ok and link is not None and link.active:
       # The partner's copy first, then the state file: the step commits
       # once its partner holds it.
@@ -285,12 +291,12 @@ class SavePipeline:
         "redundancy", self._protect, result.step, data_state, sums, persistent
       )
     else:
-      self._queue_state(result.step, data_state, sums, written=result.ok)
+      self._commits.queue_state(result.step, data_state, sums, written=result.ok)
     if result.ok:
-      self._retainer.after_local_write(result.step)
+      self._commits.retainer.after_local_write(result.step)
 
   def _protect(
-    self, step: int, data_state: dict | None, sums: _Checksums | None, persistent: bool
+    self, step: int, data_state: dict | None, sums: ShardSums | None, persistent: bool
   ) -> None:
     """On the redundancy lane: sends the written step to the partner or
     the XOR group, then _protected."""
@@ -307,7 +313,7 @@ class SavePipeline:
     hold: Callable[[], None],
     write: concurrent.futures.Future,
     data_state: dict | None,
-    sums: _Checksums | None,
+    sums: ShardSums | None,
     persistent: bool,
   ) -> None:
     """On the redundancy lane, beside the local write `write` of `snapshot`
@@ -322,8 +328,7 @@ class SavePipeline:
       result = write.result()
       if not result.ok:
         raise OSError(f"the local write failed: {result.error}")
-      with open(os.path.join(self._local.step_dir(step), local_format.MANIFEST), "rb") as f:
-        return f.read()
+      return local_format.raw_manifest(self._local.step_dir(step))
 
     nbytes, error = None, None
     try:
@@ -341,7 +346,7 @@ class SavePipeline:
     except Exception:  # noqa: BLE001 - raised (and reported) by the write's own future
       return
     if not result.ok:  # as _after_local: the state still says the save ended
-      self._queue_state(step, data_state, sums)
+      self._commits.queue_state(step, data_state, sums)
       return
     self._protected(step, nbytes, error, data_state, sums, persistent)
 
@@ -351,7 +356,7 @@ class SavePipeline:
     nbytes: int | None,
     error: Exception | None,
     data_state: dict | None,
-    sums: _Checksums | None,
+    sums: ShardSums | None,
     persistent: bool,
   ) -> None:
     """After the redundancy send of a written step: queues the state file;
@@ -359,14 +364,15 @@ class SavePipeline:
     required, the state is never written, so the step never commits,
     unless it is a persistent step (the persistent tier holds it: it
     commits, its local copy unprotected)."""
-    scheme = self._options.local.redundancy
+    options = self._ctx.options
+    scheme = options.local.redundancy
     if error is not None:
-      self.durable(step, scheme, None, f"{type(error).__name__}: {error}")
-      if self._options.local.redundancy_required and not persistent:
+      self._commits.durable(step, scheme, None, f"{type(error).__name__}: {error}")
+      if options.local.redundancy_required and not persistent:
         logger.error(
           "%s step %d will not commit: its %s copy was not stored (%s);"
           " local.redundancy_required=False lets steps commit without it",
-          self._topology.log_prefix(),
+          self._ctx.topology.log_prefix(),
           step,
           scheme,
           error,
@@ -375,64 +381,5 @@ class SavePipeline:
           sums.let_go()
         return
     else:
-      self.durable(step, scheme, nbytes)
-    self._queue_state(step, data_state, sums, written=True)
-
-  def _queue_state(
-    self, step: int, data_state: dict | None, sums: _Checksums | None, *, written: bool = False
-  ) -> None:
-    """`written`: the local write of `step` succeeded (its manifest holds
-    the shard CRC32Cs a persistent step records)."""
-
-    def write_state() -> None:
-      try:
-        crcs = None if sums is None else sums.crcs(self._local if written else None)
-        self._state.write(step, data_state, crcs)
-      except Exception as e:
-        self.durable(step, "state", None, f"{type(e).__name__}: {e}")
-        raise
-      # the primary's commit hint; the last writer wakes its wait
-      self._collectives.count(f"state_written_{step}", self._topology.process_count)
-      self.durable(step, "state", None)
-
-    write = self._background.submit("state-write", write_state)
-    if self._topology.is_primary_process:
-      self._background.submit("commit", self._commit, write, step, sums)
-
-  def _commit(self, write: concurrent.futures.Future, step: int, sums: _Checksums | None) -> None:
-    write.result()
-    if sums is not None:  # a persistent step: its shard table, before COMMIT
-      primary = self._topology.slice_processes[0]
-      self._state.write_shard_table(
-        step, checksums.shard_table(step, sums.paths, sums.abstract, primary)
-      )
-    committed = self._state.commit(
-      step,
-      timeout_s=self._options.state_commit_timeout_s,
-      metrics=self._records.metrics.get(step),
-      info=self._records.info.get(step),
-      written=lambda timeout_s: self._collectives.wait_count(
-        f"state_written_{step}", self._topology.process_count, timeout_s=timeout_s
-      ),
-    )
-    # The counter was the commit's hint only: late writers add to a fresh one.
-    self._collectives.forget(count=f"state_written_{step}")
-    if committed:
-      self._retainer.after_commit(step)
-
-  def persistent_finalized(self, step: int) -> None:
-    """Orbax's finalize thread, on every primary-slice process, BEFORE Orbax
-    renames the step / writes its commit file: waits for that elsewhere."""
-    self._background.submit("commit", self._after_persistent, step)
-
-  def _after_persistent(self, step: int) -> None:
-    if not persistent_layout.wait_finalized(
-      self._persistent.directory, step, self._options.collective_timeout_s
-    ):
-      self.durable(step, "persistent", None, "not finalized in time")
-      return
-    failpoints.hit("persistent.after_finalize", step)
-    self._records.persistent_final.put(step, True)
-    self.durable(step, "persistent", None)
-    if self._topology.is_primary_process:
-      self._retainer.persistent()
+      self._commits.durable(step, scheme, nbytes)
+    self._commits.queue_state(step, data_state, sums, written=True)

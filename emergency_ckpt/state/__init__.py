@@ -1,1 +1,1 @@
-"""Non-tensor state: one JSON file per process per step and the COMMIT marker that makes a step restorable."""
+"""Non-tensor state: one JSON file per process per step and the COMMIT marker that makes a step restorable; the files' formats, the trainer's data_state, and the shard-checksum records kept beside persistent steps."""

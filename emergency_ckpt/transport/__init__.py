@@ -1,8 +1,9 @@
 """Moving a restored step from slices that hold it to slices that lost it.
 
 Two transports, bit-exact for every dtype: `stream` (stream.py, the default:
-authenticated TCP streams between hosts, straight into the arrays' buffer)
-and `collective` (collective.py: one XLA collective permute over the replica
+authenticated TCP streams between hosts, straight into the arrays' buffer;
+its wire protocol, shared with the redundancy schemes: protocol.py) and
+`collective` (collective.py: one XLA collective permute over the replica
 axis, for networks where hosts cannot open ports to each other). routing.py
 decides who serves whom for both.
 
@@ -37,10 +38,29 @@ def transfer(
   lost: Sequence[int],
   timeout_s: float,
 ) -> list:
-  """The step's arrays (per leaf of `abstract`) on every process: intact
-  slices keep `mine` (their verified shards) and serve them, slices in
-  `lost` receive. `options`: the manager's PeerOptions; `intact` lists the
-  planned source first."""
+  """Moves a step to the slices that lost it, over the transport `options`
+  names. Called by: every process.
+
+  Args:
+    step: the step.
+    abstract: abstract arrays with shardings, one per leaf.
+    paths: their keystr paths.
+    mine: this process's verified shards (intact slices), else None.
+    options: the manager's PeerOptions.
+    mesh: the job's mesh.
+    topology: this process's Topology.
+    collectives: the job's Collectives.
+    intact: slices that serve, the planned source first.
+    lost: slices that receive.
+    timeout_s: the transfer's timeout.
+
+  Returns:
+    The step's arrays (per leaf of `abstract`) on every process: intact
+    slices keep `mine`, slices in `lost` receive theirs.
+
+  Raises:
+    PeerTransferError: on every process alike, if any receiver failed.
+  """
   if options.transport == "stream":
     return stream.transfer(
       step,

@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from emergency_ckpt.core import shards as shards_lib
 from emergency_ckpt.errors import TopologyError
-from emergency_ckpt.runtime.staging import aligned_empty
+from emergency_ckpt.runtime.buffers import aligned_empty
 from emergency_ckpt.transport.routing import routes
 
 _UINTS = {1: np.uint8, 2: np.uint16, 4: np.uint32}
@@ -35,9 +35,9 @@ _UINTS = {1: np.uint8, 2: np.uint16, 4: np.uint32}
 
 def _carrier(dtype: np.dtype) -> tuple[np.dtype, int]:
   """(carrier dtype, carriers per element) for `dtype`: itself where the
-  permute is known to copy its bytes (no bit-cast copy on arrival, ~30%
-  faster), else unsigned integers (XLA's CPU collectives widen bfloat16 and
-  friends to float32 and back, which does not keep every bit pattern)."""
+  permute is known to copy its bytes (no bit-cast copy on arrival: faster),
+  else unsigned integers (XLA's CPU collectives widen bfloat16 and friends
+  to float32 and back, which does not keep every bit pattern)."""
   dtype = np.dtype(dtype)
   if dtype.kind in "iub" or dtype in (np.dtype(np.float32), np.dtype(np.float64)):
     return dtype, 1
@@ -88,10 +88,26 @@ def transfer(
   intact: Sequence[int],
   lost: Sequence[int],
 ) -> list[jax.Array]:
-  """Returns the step's arrays on every process: intact slices keep `local`
-  (this process's verified host shards per leaf), lost slices receive them
-  from an intact slice. `intact`/`lost`: slice indices (the same on every
-  process)."""
+  """Moves a step to the slices that lost it. Called by: every process (one
+  XLA program with collectives).
+
+  Args:
+    abstract: abstract arrays with shardings, one per leaf.
+    local: this process's verified host shards per leaf ({index: array}),
+      on intact slices; None on lost ones.
+    mesh: the job's mesh.
+    replica_axis: the mesh axis the slices span.
+    intact: the slices that hold the step (the same on every process).
+    lost: the slices that lost it.
+
+  Returns:
+    The step's arrays on every process: intact slices keep `local`, lost
+    slices receive theirs from an intact slice.
+
+  Raises:
+    TopologyError: a dtype cannot cross slices bit-exactly, or no intact
+      slice.
+  """
   num = mesh.shape[replica_axis]
   have = local is not None
   globals_, dtypes, factors, specs = [], [], [], []
@@ -111,7 +127,7 @@ def transfer(
         piece = local[i][index].view(carrier).reshape(piece_shape)
       else:  # overwritten by the transfer; never read, so never touched: page
         # aligned, it is aliased, not copied (np.empty's 16-byte alignment
-        # made the receivers copy 256 MiB of garbage per process)
+        # made the receivers copy a whole buffer of garbage)
         piece = aligned_empty(math.prod(piece_shape) * carrier.itemsize)
         piece = piece.view(carrier).reshape(piece_shape)
       devices.append(device)

@@ -19,20 +19,49 @@ from emergency_ckpt.errors import PeerTransferError, TopologyError
 
 
 def source_of(intact: Sequence[int], k: int) -> int:
-  """The k-th pick of the round-robin over `intact` slices."""
+  """The k-th pick of the round-robin over slices.
+
+  Args:
+    intact: the slices picked from.
+    k: the pick's number.
+
+  Returns:
+    A slice of `intact`.
+  """
   return intact[k % len(intact)]
 
 
 def check_peer_compatible(
   paths: Sequence[str], abstract: Sequence, mesh, replica_axis: str
 ) -> str | None:
-  """Why no slice can serve another `abstract`'s shards, or None if one can."""
+  """Why no slice can serve another the shards of a state.
+
+  Args:
+    paths: the leaves' keystr paths.
+    abstract: abstract arrays with shardings, one per leaf.
+    mesh: the job's mesh.
+    replica_axis: the mesh axis the slices span.
+
+  Returns:
+    The reason, or None if a slice can serve another.
+  """
   return compat.replica_problem(paths, abstract, mesh, replica_axis)
 
 
 def routes(intact: Sequence[int], lost: Sequence[int]) -> list[list[tuple[int, int]]]:
-  """Rounds of (source, destination) slice pairs: every lost slice gets one
-  sender; within a round no slice sends or receives twice (a permutation)."""
+  """Who sends to whom, in rounds: every lost slice gets one sender; within
+  a round no slice sends or receives twice (a permutation).
+
+  Args:
+    intact: the slices that hold the step.
+    lost: the slices that lost it.
+
+  Returns:
+    Rounds of (source, destination) slice pairs.
+
+  Raises:
+    TopologyError: no intact slice.
+  """
   if not intact:
     raise TopologyError("a peer transfer needs at least one intact slice")
   rounds: list[list[tuple[int, int]]] = []
@@ -51,11 +80,24 @@ def plan_pulls(
   intact: Sequence[int],
   rank: int,
 ) -> dict[int, list[tuple[int, shards_lib.ShardSlot]]]:
-  """{sender process: [(leaf number, slot)]} for a receiver whose shards are
-  `layout`: each shard from the process holding the same mesh coordinates in
-  an intact slice, round-robin over `intact` (offset by the receiver's
-  `rank` among receivers, so several receivers spread over the senders).
-  Pure: devices need only `.id` and `.process_index`."""
+  """Whom a receiver pulls each shard from: the process holding the same
+  mesh coordinates in an intact slice, round-robin over `intact` (offset by
+  the receiver's rank among receivers, so several receivers spread over the
+  senders). Pure: devices need only `.id` and `.process_index`.
+
+  Args:
+    layout: the receiver's shards.
+    mesh_devices: the mesh's devices (an array).
+    replica_axis_index: the index of the axis the slices span.
+    intact: the slices that serve.
+    rank: the receiver's rank among receivers.
+
+  Returns:
+    {sender process: [(leaf number, slot)]}.
+
+  Raises:
+    PeerTransferError: no intact slice.
+  """
   if not intact:
     raise PeerTransferError("a peer transfer needs at least one intact slice")
   coords = {d.id: idx for idx, d in np.ndenumerate(mesh_devices)}
@@ -81,17 +123,31 @@ def plan_split(
   my_slice: int,
   readers: int | None = None,
 ) -> tuple[set[tuple[int, shards_lib.Index]], dict[int, list[tuple[int, shards_lib.ShardSlot]]]]:
-  """A read split between the slices (every slice needs the same shards):
-  (the (leaf number, index) slots this process reads, {sender process:
-  [(leaf number, slot)]} of the rest). `readers` (1..num_slices, default
-  all): slices 0..readers-1 read from storage, the others only receive. The
-  slots, in layout order, are cut into `readers` contiguous runs of about
-  equal bytes (the same cut on every process at the same mesh coordinates):
-  contiguous, because tensorstore coalesces nearby reads of one data file,
-  gaps included, so interleaved slots cost almost the whole file (measured:
-  1.76x the model read instead of 1x on 2 slices). A slot is pulled from the
-  process at the same coordinates in its reading slice.
-  Pure: devices need only `.id` and `.process_index`."""
+  """A read split between the slices (every slice needs the same shards).
+  The slots, in layout order, are cut into `readers` contiguous runs of
+  about equal bytes (the same cut on every process at the same mesh
+  coordinates): contiguous, because tensorstore coalesces nearby reads of
+  one data file, gaps included, so interleaved slots cost almost the whole
+  file on every reader. A slot is pulled from the process at the same
+  coordinates in its reading slice. Pure: devices need only `.id` and
+  `.process_index`.
+
+  Args:
+    layout: this process's shards.
+    mesh_devices: the mesh's devices (an array).
+    replica_axis_index: the index of the axis the slices span.
+    num_slices: the slice count.
+    my_slice: this process's slice.
+    readers: 1..num_slices (None: all): slices 0..readers-1 read from
+      storage, the others only receive.
+
+  Returns:
+    (the (leaf number, index) slots this process reads, {sender process:
+    [(leaf number, slot)]} of the rest).
+
+  Raises:
+    ValueError: `readers` out of range.
+  """
   readers = num_slices if readers is None else readers
   if not 1 <= readers <= num_slices:
     raise ValueError(f"readers must be 1..{num_slices} (the slice count), got {readers}")
@@ -117,27 +173,30 @@ def plan_split(
   return mine, pulls
 
 
-# The measured rule's unit: every reader slice reads at least this much.
-# Measured (benchmarks/results/2026-11-25-shared-read/, one 2-core machine
-# where every slice shares the cores and one fake-gcs-server): at 4-16 MiB
-# one reader restored in 0.66-1.06x the per-process read's time and the
-# split in 0.96-1.43x (2 and 4 slices): each reader pays a fixed cost (Orbax
-# metadata, tensorstore opens). From 64 to 256 MiB the modes were within
-# each other's noise (one reader 0.59-1.16x, the split 0.66-0.92x). The
-# split's gain, R times the read bandwidth and each reader's egress cut
-# R-fold, needs slices on hosts of their own, which one machine cannot
-# show: the crossover is put above the sizes measured here, not measured.
+# The rule's unit: every reader slice reads at least this much. Each reader
+# pays a fixed cost (Orbax metadata, tensorstore opens), so small models are
+# read by one slice; the split's gain, R times the read bandwidth and each
+# reader's egress cut R-fold, needs slices on hosts of their own, which the
+# study on one machine (benchmarks/results/2026-11-25-shared-read/) could
+# not show: the crossover is put above the sizes it measured, not measured.
 SHARED_READ_MIN_BYTES = 256 << 20
 
 
 def reader_slices(num_slices: int, model_bytes: int, configured: int | None = None) -> int:
   """How many slices read a shared persistent restore from storage (the
-  others receive everything over the peer transport): `configured`
-  (persistent.shared_read_slices) capped at num_slices, else the measured
-  rule: min(S, model bytes // SHARED_READ_MIN_BYTES), at least 1 (one
-  slice reads models under 512 MiB; every slice reads one of S x 256 MiB
-  or more). Pure; the same on every process (the model's bytes, not this
-  process's)."""
+  others receive everything over the peer transport). Pure; the same on
+  every process (the model's bytes, not this process's).
+
+  Args:
+    num_slices: the slice count S.
+    model_bytes: the model's bytes.
+    configured: persistent.shared_read_slices (None: the rule).
+
+  Returns:
+    `configured` capped at S, else min(S, model bytes //
+    SHARED_READ_MIN_BYTES), at least 1 (one slice reads models under twice
+    the unit; every slice reads one of S units or more).
+  """
   if configured is not None:
     return max(1, min(configured, num_slices))
   return max(1, min(num_slices, model_bytes // SHARED_READ_MIN_BYTES))

@@ -1,50 +1,90 @@
 """Restoring ramdisk copies written on another mesh: every process assembles
-its new shards from the saved shards that overlap them (reshard.py plans),
-reading copies on its own host and pulling boxes from the processes that
-hold the rest, over the authenticated streams of stream.py.
+its new shards from the saved shards that overlap them (core/reshard.py
+plans the pieces), reading copies on its own host and pulling boxes from
+the processes that hold the rest (transport/stream.py). Saved processes no
+copy holds are first rebuilt from XOR parity (reshard_rebuild.py).
 
-Each copy was verified shard by shard when read (local_read); a box sent
-over the network carries a CRC32C computed as it is cut, checked on arrival.
+Each copy was verified shard by shard when read, except a partner's, whose
+shards are checked here where they are used or cut for a receiver; a box
+sent over the network carries a CRC32C computed as it is cut, checked on
+arrival.
 
-Called by: every process. Coordination, per process: the saved layout (one
-key published by the first holder, read by those that hold no copy), the
-holders' offers (one key per saved process held, read only by the
-processes that pull from it), then one agreement (gather_sparse). Blocks
-until every process has its shards, or raises PeerTransferError on every
-process alike (the restore then falls back to the persistent tier).
+Called by: the restorer (sources.py), on every process. Coordination: the
+saved layout (one key, published by the first holder), the holders' offers
+(one key per saved process held, read only by those that pull from it),
+then one agreement (gather_sparse). Blocks until every process has its
+shards, or raises PeerTransferError on every process alike.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence, Set
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from emergency_ckpt.cluster.topology import peer_host
 from emergency_ckpt.core import reshard
 from emergency_ckpt.core import shards as shards_lib
 from emergency_ckpt.errors import CollectiveTimeoutError, CorruptCheckpointError, PeerTransferError
-from emergency_ckpt.local import format as local_format
 from emergency_ckpt.local.format import LocalStep, checksum_ok
-from emergency_ckpt.redundancy import xor as xor_lib
-from emergency_ckpt.runtime.staging import aligned_empty
-from emergency_ckpt.transport import stream
+from emergency_ckpt.restore import reshard_rebuild
+from emergency_ckpt.runtime.buffers import aligned_empty
+from emergency_ckpt.transport import protocol, stream
+
+if TYPE_CHECKING:
+  from emergency_ckpt.cluster.context import JobContext
 
 logger = logging.getLogger("emergency_ckpt")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReshardRedundancy:
+  """What local.redundancy adds to a reshard: partner copies held on this
+  host, and the XOR rebuilds the plan asks for. Empty without redundancy."""
+
+  partner_held: Set[int] = frozenset()
+  """Saved processes whose copy here came from them as their partner."""
+  unverified: Set[int] = frozenset()
+  """Saved processes whose copy here is not checked yet (a partner's): each
+  shard is checked before it is used here or cut for a receiver (a whole
+  shard goes with its recorded checksum, checked by the receiver)."""
+  partner_only: Sequence[Sequence[int]] = ()
+  """Per serving saved slice (the plan's): positions only partner copies hold."""
+  parity_only: Sequence[Sequence[int]] = ()
+  """Per serving saved slice: the positions rebuilt from XOR parity."""
+  groups: Sequence[Sequence[Sequence[int]]] = ()
+  """Per serving saved slice: its XOR groups (positions)."""
+  xor_files: Mapping[tuple[int, str], np.ndarray] = dataclasses.field(default_factory=dict)
+  """{(saved process, "data" | "parity"): bytes} of copies with their parity block here."""
+  xor_groups: Mapping[int, dict] = dataclasses.field(default_factory=dict)
+  """{saved process: its parity block's group.json body}."""
 
 
 def merged(
   step: int,
   copies: Mapping[int, LocalStep],
   paths: Sequence[str],
-  unverified: set[int] = frozenset(),
-) -> tuple[LocalStep, set]:
-  """One LocalStep serving every shard of `copies` (each in `paths` order),
-  for stream.Server: the same index in two copies holds the same bytes
-  (taken from a verified copy where one has it); and the (leaf number,
-  index) of those taken from an `unverified` copy."""
+  unverified: Set[int] = frozenset(),
+) -> tuple[LocalStep, set[tuple[int, tuple]]]:
+  """One LocalStep serving every shard of `copies`, for stream.Server.
+
+  The same index in two copies holds the same bytes: it is taken from a
+  verified copy where one has it.
+
+  Args:
+    step: the step the copies hold.
+    copies: {saved process: its copy on this host, arrays in `paths` order}.
+    paths: the restored tree's leaf paths.
+    unverified: saved processes whose copy is not checked yet.
+
+  Returns:
+    (the merged step, the (leaf number, index) of the shards taken from an
+    `unverified` copy).
+  """
   arrays: list[dict] = [{} for _ in paths]
   records: list[dict] = [{} for _ in paths]
   loose = set()
@@ -63,42 +103,40 @@ def merged(
 
 
 def transfer(
+  ctx: JobContext,
   step: int,
   abstract: Sequence[Any],
   paths: Sequence[str],
   copies: Mapping[int, LocalStep],
   saved: Mapping[str, Any] | None,
-  *,
-  partner_held: set[int] = frozenset(),
-  unverified: set[int] = frozenset(),
-  partner_only: Sequence[Sequence[int]] = (),
-  parity_only: Sequence[Sequence[int]] = (),
-  groups: Sequence[Sequence[Sequence[int]]] = (),
-  xor_files: Mapping[tuple[int, str], np.ndarray] | None = None,
-  xor_groups: Mapping[int, dict] | None = None,
-  topology,
-  collectives,
-  host: str | None,
-  timeout_s: float,
-  ports: tuple[int, int] | None = None,
-) -> tuple[list, str]:
-  """(the step's arrays on this process, and where its bytes came from:
-  "local" (this host's copies), "parity" (some rebuilt from XOR parity),
-  "partner" (some from a partner's copy on another host) or "peer").
-  `copies`: {saved process: its verified copy on this host, arrays in
-  `paths` order}; `saved`: what every holder publishes ({"layout":
-  SavedLayout JSON, "sources": the saved process lists of the serving
-  saved slices}), None on a process with no copy. Per serving saved slice
-  (the plan's): `partner_only`, the positions only partner copies hold
-  (`partner_held`: the saved processes whose copy here is such);
-  `unverified`: saved processes whose copy here is not checked yet: each
-  of its shards is checked before it is used here or cut for a receiver
-  (a whole shard is sent with its recorded checksum, which the receiver
-  checks). `parity_only`, the positions rebuilt from their XOR `groups`
-  (positions). `xor_files`: {(saved process, "data" | "parity"): bytes}
-  of the copies here that have their parity block here, `xor_groups`
-  their group.json bodies. Raises PeerTransferError on every process if
-  any failed."""
+  redundancy: ReshardRedundancy = ReshardRedundancy(),
+) -> tuple[list[Any], str]:
+  """Assembles this process's shards of `step` from the saved copies.
+
+  Args:
+    ctx: the job (topology, collectives, peer options, collective timeout).
+    step: the step being restored.
+    abstract: the restored tree's leaves (shape, dtype, sharding).
+    paths: their paths.
+    copies: {saved process: its verified copy on this host, arrays in
+      `paths` order}.
+    saved: what every holder publishes ({"layout": SavedLayout JSON,
+      "sources": the saved process lists of the serving saved slices});
+      None on a process with no copy.
+    redundancy: partner copies and XOR rebuilds (ReshardRedundancy).
+
+  Returns:
+    (the step's arrays on this process, where its bytes came from: "local"
+    (this host's copies), "parity" (some rebuilt from XOR parity),
+    "partner" (some from a partner's copy on another host) or "peer").
+
+  Raises:
+    PeerTransferError: on every process, if any process failed.
+  """
+  topology, collectives = ctx.topology, ctx.collectives
+  timeout_s = ctx.options.collective_timeout_s
+  host = peer_host(ctx.options.peer.host) if copies else None
+  unverified = redundancy.unverified
   me = topology.process_index
   servers: list = []
   arrays, remote, error, offer = None, None, None, None
@@ -115,21 +153,9 @@ def transfer(
       sources = saved["sources"]
     except (CollectiveTimeoutError, KeyError, TypeError) as e:
       sources, error = [], f"process {me}: no saved layout ({type(e).__name__}: {e})"
-    keyed = _Keys(sources, partner_only, parity_only)
-    rebuilt, failed = _rebuild(
-      step,
-      paths,
-      sources,
-      parity_only,
-      groups,
-      xor_files or {},
-      xor_groups or {},
-      servers,
-      topology=topology,
-      collectives=collectives,
-      host=host,
-      timeout_s=timeout_s,
-      ports=ports,
+    keyed = _Keys(sources, redundancy.partner_only, redundancy.parity_only)
+    rebuilt, failed = reshard_rebuild.rebuild(
+      ctx, step, paths, sources, redundancy, servers, host=host
     )
     error = error or failed
     copies.update(rebuilt)
@@ -145,7 +171,7 @@ def transfer(
             paths,
             timeout_s=timeout_s,
             log_prefix=topology.log_prefix(),
-            ports=ports,
+            ports=ctx.options.peer.port_range,
             unverified=loose,
           )
         )
@@ -170,7 +196,9 @@ def transfer(
         by_sender.setdefault(p.saved_process, []).append(p)
     keys = {sp: keyed.wanted(sp) for sp in by_sender}
     try:
-      published = {keyed.mine(sp, sp in partner_held, sp in rebuilt): offer for sp in copies}
+      published = {
+        keyed.mine(sp, sp in redundancy.partner_held, sp in rebuilt): offer for sp in copies
+      }
       offers = collectives.exchange_keyed(
         f"reshard_offer_{step}",
         published if offer is not None else {},
@@ -243,7 +271,12 @@ class _Keys:
   which key a receiver reads: "p" (its writer's folder), "r" (a partner's
   copy), "x" (rebuilt from parity), by what the plan says holds it."""
 
-  def __init__(self, sources, partner_only, parity_only):
+  def __init__(
+    self,
+    sources: Sequence[Sequence[int]],
+    partner_only: Sequence[Sequence[int]],
+    parity_only: Sequence[Sequence[int]],
+  ):
     self._only: dict[int, str] = {}
     for i, procs in enumerate(sources):
       for kind, per_slice in (("r", partner_only), ("x", parity_only)):
@@ -258,124 +291,9 @@ class _Keys:
     return f"{'x' if rebuilt else 'r' if partner else 'p'}{sp}"
 
 
-def _rebuild(
-  step, paths, sources, parity_only, groups, files, bodies, servers, **kw
-) -> tuple[dict[int, LocalStep], str | None]:
-  """The XOR rebuild phase (every process calls it; one exchange when the
-  plan rebuilds anything): the saved processes this process rebuilds
-  ({saved process: LocalStep, arrays in `paths` order}) and an error, if
-  any. Holders of a survivor's data and parity serve byte ranges
-  (RangeServer, added to `servers`).
-
-  Who rebuilds a lost member: when the job has as many processes as the
-  saved one, the process of the lost member's index (the restarted one,
-  which needs its shards): it pulls every piece from the survivors at once
-  and holds the result, with no second transfer; the holder of the first
-  survivor's parity block publishes the group's sizes and the lost
-  member's manifest beside its offers. Otherwise the first survivor of
-  the group rebuilds it and serves it like any other copy."""
-  if not any(parity_only):  # the same plan everywhere: no process rebuilds, none waits
-    return {}, None
-  topology, collectives, timeout_s = kw["topology"], kw["collectives"], kw["timeout_s"]
-  me = topology.process_index
-  at_destination = sum(len(procs) for procs in sources) == topology.process_count
-  needed, tasks = set(), []  # survivors to serve; (lost, group processes, rebuilder) here
-  described = {}  # lost member: its group's sizes and manifest, published from here
-  for i, procs in enumerate(sources):
-    for m in parity_only[i] if i < len(parity_only) else ():
-      group = next((g for g in groups[i] if m in g), None)
-      if group is None:
-        continue
-      members = [procs[pos] for pos in group]
-      survivors = [p for pos, p in zip(group, members) if pos != m]
-      needed.update(survivors)
-      holder = (survivors[0], "parity") in files
-      if at_destination:
-        if holder:
-          described[procs[m]] = _describe(procs[m], members, survivors[0], files, bodies)
-        if me == procs[m]:
-          tasks.append((procs[m], members, None))
-      elif holder:
-        tasks.append((procs[m], members, survivors[0]))
-  serving = {key: buf for key, buf in files.items() if key[0] in needed}
-  payload, error = {f"g{lost}": d for lost, d in described.items()}, None
-  if serving:
-    try:
-      if kw["host"] is None:
-        raise OSError("no address: set peer.host (see PeerOptions)")
-      server = xor_lib.RangeServer(
-        kw["host"],
-        step,
-        serving,
-        timeout_s=timeout_s,
-        log_prefix=topology.log_prefix(),
-        ports=kw["ports"],
-      )
-      servers.append(server)
-      payload.update({f"d{sp}": server.offer() for sp, _ in serving})
-    except OSError as e:
-      payload.update({f"d{sp}": {"error": f"cannot listen: {e}"} for sp, _ in serving})
-  wanted = {f"d{p}" for lost, members, _ in tasks for p in members if p != lost}
-  wanted.update(f"g{lost}" for lost, _, rebuilder in tasks if rebuilder is None)
-  try:
-    offers = collectives.exchange_keyed(
-      f"reshard_rebuild_{step}", payload, wanted=sorted(wanted), timeout_s=timeout_s
-    )
-  except CollectiveTimeoutError as e:
-    return {}, f"process {me}: no address for a rebuild ({e})"
-  out = {}
-  for lost, members, rebuilder in tasks:
-    try:
-      d = (
-        offers[f"g{lost}"]
-        if rebuilder is None
-        else _describe(lost, members, rebuilder, files, bodies)
-      )
-      if "error" in d:
-        raise PeerTransferError(f"no description of the group: {d['error']}")
-      sizes = {int(i): int(n) for i, n in d["sizes"].items()}
-      manifest = local_format.decode_manifest(bytes.fromhex(d["manifest"]), "group.json")
-      got = xor_lib.rebuild(
-        step,
-        lost,
-        members,
-        sizes,
-        manifest,
-        {p: offers.get(f"d{p}") for p in members if p != lost},
-        timeout_s=timeout_s,
-        here=files,
-      )
-      by_path = dict(zip([leaf["path"] for leaf in manifest["leaves"]], got.arrays))
-      out[lost] = LocalStep(step, manifest, [by_path[p] for p in paths])
-      logger.info(
-        "%s rebuilt saved process %d's step %d from its XOR group %s",
-        topology.log_prefix(),
-        lost,
-        step,
-        members,
-      )
-    except Exception as e:  # noqa: BLE001 - every process must reach the agreement
-      error = f"process {me}: rebuilding saved process {lost} ({type(e).__name__}: {e})"
-      logger.warning("%s %s", topology.log_prefix(), error)
-  return out, error
-
-
-def _describe(lost: int, members, holder: int, files, bodies) -> dict:
-  """What a rebuild of `lost` needs besides the bytes, from the group.json
-  of `holder`'s parity block (held here): every member's shards.bin size
-  ({member index: bytes}) and the lost member's manifest (hex); {"error"}
-  if that body lacks them."""
-  try:
-    body = bodies[holder]
-    r = members.index(holder)
-    sizes = {str(i): int(body["sizes"][str(i)]) for i in range(len(members)) if i != r}
-    sizes[str(r)] = len(files[(holder, "data")])
-    return {"sizes": sizes, "manifest": body["manifests"][str(members.index(lost))]}
-  except (KeyError, TypeError, ValueError) as e:
-    return {"error": f"group.json of {holder}'s parity block ({type(e).__name__}: {e})"}
-
-
-def _records(copies: Mapping[int, LocalStep], paths: Sequence[str], unverified) -> dict:
+def _records(
+  copies: Mapping[int, LocalStep], paths: Sequence[str], unverified: Set[int]
+) -> dict[tuple[int, int, tuple], dict]:
   """{(saved process, leaf number, index): manifest record} of every shard
   of the copies not verified yet."""
   leaf_no = {path: n for n, path in enumerate(paths)}
@@ -409,7 +327,16 @@ def _dest(buffer: np.ndarray, layout: shards_lib.Layout, p: reshard.Piece) -> np
   return view[(*reshard.relative(p.box, p.slot.index), Ellipsis)]  # a view, even of a scalar
 
 
-def _pull_all(offers, by_sender, layout, paths, buffer, *, step: int, timeout_s: float) -> None:
+def _pull_all(
+  offers: Mapping[int, dict | None],
+  by_sender: Mapping[int, list[reshard.Piece]],
+  layout: shards_lib.Layout,
+  paths: Sequence[str],
+  buffer: np.ndarray,
+  *,
+  step: int,
+  timeout_s: float,
+) -> None:
   """Every remote piece, from every holder at once."""
   if not by_sender:
     return
@@ -425,7 +352,16 @@ def _pull_all(offers, by_sender, layout, paths, buffer, *, step: int, timeout_s:
     pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _pull(offer, sender, items, layout, paths, buffer, step, timeout_s) -> None:
+def _pull(
+  offer: dict | None,
+  sender: int,
+  items: Sequence[reshard.Piece],
+  layout: shards_lib.Layout,
+  paths: Sequence[str],
+  buffer: np.ndarray,
+  step: int,
+  timeout_s: float,
+) -> None:
   """`items` (pieces held by saved process `sender`) into `buffer`, each
   checked against the checksum its holder computed as it cut the box."""
   offer = offer or {"error": "nobody published its address"}
@@ -444,7 +380,7 @@ def _pull(offer, sender, items, layout, paths, buffer, step, timeout_s) -> None:
         raw = buffer[p.slot.offset : p.slot.offset + p.slot.nbytes]
       else:
         raw = aligned_empty(nbytes)
-      stream.recv_into(sock, raw)
+      protocol.recv_into(sock, raw)
       if not checksum_ok(raw, record):
         raise CorruptCheckpointError(f"{where} fails its checksum on arrival")
       if p.box != p.slot.index:

@@ -1,0 +1,253 @@
+"""One process's parts, built in the order they need each other, waited
+for and closed: the manager's composition root.
+
+Build order (every process, the same): topology and collectives; the
+background lanes, per-step records and staging area; Orbax's background
+loader; the local tier; the state store; the event log and the JobContext
+every orchestrator takes; Commits, which builds the persistent tier (the
+tier reports each finalized step to Commits, so Commits exists first) and
+the retainer (which needs that tier); the redundancy link (an exchange:
+after the persistent tier's bucket check, so a missing bucket fails every
+process before any waits on another); the save pipeline; the inventory
+and the restorer. Then the primary process records the run (run.json).
+
+Waiting (for durable saves) and closing (lanes first, writes before what
+follows them) walk the same parts, so they are here too.
+
+Called by: CheckpointManager (manager/__init__.py) only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import TYPE_CHECKING
+
+from etils import epath
+
+from emergency_ckpt.cluster.collectives import Collectives
+from emergency_ckpt.cluster.context import JobContext
+from emergency_ckpt.cluster.topology import host_identity, job_key, topology_from_mesh
+from emergency_ckpt.core import layout
+from emergency_ckpt.core.records import StepRecords
+from emergency_ckpt.core.telemetry import EventLog
+from emergency_ckpt.local.tier import LocalTier
+from emergency_ckpt.persistent import layout as persistent_layout
+from emergency_ckpt.persistent.orbax_loader import OrbaxLoader
+from emergency_ckpt.redundancy import links as redundancy_links
+from emergency_ckpt.restore.inventory import Inventory
+from emergency_ckpt.restore.restorer import Restorer
+from emergency_ckpt.runtime.background import Background
+from emergency_ckpt.runtime.staging import StagingArea
+from emergency_ckpt.save.commit import Commits
+from emergency_ckpt.save.pipeline import SavePipeline
+from emergency_ckpt.state.store import StateStore
+
+if TYPE_CHECKING:
+  import jax
+
+  from emergency_ckpt.options import CheckpointManagerOptions
+  from emergency_ckpt.persistent.tier import PersistentTier
+  from emergency_ckpt.redundancy.links import Partner, Xor
+  from emergency_ckpt.retention.retainer import Retainer
+
+logger = logging.getLogger("emergency_ckpt")
+
+CLOSE_ORDER = (
+  "local-write",
+  "prepare",
+  "redundancy",
+  "state-write",
+  "commit",
+  "commit-watch",
+  "retention",
+)
+"""Lanes closed first, in this order, at close(): writes before what follows them."""
+
+KEY_DELETE_WAIT_S = 5.0
+"""close() waits at most this long for the primary's queued key deletions
+(Collectives: they only free the coordination service's memory)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Parts:
+  """What one process's CheckpointManager runs on."""
+
+  ctx: JobContext
+  run_id: str
+  background: Background
+  records: StepRecords
+  staging: StagingArea
+  orbax: OrbaxLoader
+  """Loads Orbax in the background, started once the restore path is
+  behind: at the end of restore(), when all_steps() finds nothing to
+  restore, or by the first save (which then waits for it)."""
+  local: LocalTier
+  state: StateStore
+  persistent: PersistentTier
+  retainer: Retainer
+  redundancy: Partner | Xor | None
+  saves: SavePipeline
+  inventory: Inventory
+  restorer: Restorer
+
+  @classmethod
+  def build(cls, options: CheckpointManagerOptions, mesh: jax.sharding.Mesh) -> Parts:
+    """Builds every part, in order, and records the run's start.
+
+    Called by: every process (a collective: it exchanges process ids, and
+    with local.redundancy sets up the partner or XOR links).
+
+    Args:
+      options: the manager's options.
+      mesh: the device mesh.
+
+    Returns:
+      The parts.
+
+    Raises:
+      TopologyError: the mesh cannot hold slices along the replica axis.
+      StorageError: the persistent directory's bucket is missing or unreachable.
+      UnsafeDirectoryError: the local directory is not this user's own.
+      CollectiveTimeoutError: a process did not join the set-up in time.
+    """
+    topo = topology_from_mesh(mesh, options.replica_axis)
+    run_id = options.effective_run_id
+    collectives = Collectives(topo, namespace=run_id, timeout_s=options.collective_timeout_s)
+    background = Background(topo.log_prefix())
+    records = StepRecords()
+    staging = StagingArea(
+      buffers=options.local.staging_buffers,
+      job=job_key(),
+      preparer=background.lane("prepare", low_priority=True),
+      filler=background.lane("d2h"),
+      device_snapshot=options.local.device_snapshot,
+    )
+    orbax = OrbaxLoader(background, topo.log_prefix())
+    local = LocalTier(
+      options.local,
+      run_id=run_id,
+      topology=topo,
+      background=background,
+      orbax_ready=orbax.imported,
+    )
+    root = epath.Path(options.persistent.directory)
+    state = StateStore(
+      layout.state_dir(root), process_index=topo.process_index, process_count=topo.process_count
+    )
+    events = EventLog(options.event_log, process=topo.process_index, slice=topo.slice_index)
+    ctx = JobContext(
+      topology=topo, collectives=collectives, mesh=mesh, options=options, events=events
+    )
+    commits = Commits(
+      ctx, local=local, state=state, records=records, background=background, orbax_ready=orbax.ready
+    )
+    tiers = dict(local=local, persistent=commits.persistent, state=state)
+    host = host_identity(options.host_id)
+    link = redundancy_links.start(
+      options,
+      topology=topo,
+      collectives=collectives,
+      process_dir=local.directory,
+      host_label=host,
+      mapped=local.mapped,
+    )
+    saves = SavePipeline(
+      ctx,
+      commits=commits,
+      local=local,
+      staging=staging,
+      records=records,
+      background=background,
+      redundancy=link,
+    )
+    parts = cls(
+      ctx=ctx,
+      run_id=run_id,
+      background=background,
+      records=records,
+      staging=staging,
+      orbax=orbax,
+      local=local,
+      state=state,
+      persistent=commits.persistent,
+      retainer=commits.retainer,
+      redundancy=link,
+      saves=saves,
+      inventory=Inventory(ctx, host=host, **tiers),
+      restorer=Restorer(ctx, staging=staging, orbax_start=orbax.start, **tiers),
+    )
+    parts._started(root)
+    return parts
+
+  def _started(self, root: epath.Path) -> None:
+    """The run's record (the primary's run.json), its first event and log line."""
+    topo, options = self.ctx.topology, self.ctx.options
+    if topo.is_primary_process:
+      persistent_layout.write_run_info(
+        root,
+        {
+          "run_id": self.run_id,
+          "topology": topo.fingerprint(),
+          "local_save_interval_steps": options.local.save_interval_steps,
+          "persistent_save_interval_steps": options.persistent.save_interval_steps,
+        },
+      )
+    self.ctx.events.record(
+      "run_start",
+      run_id=self.run_id,
+      topology=topo.fingerprint(),
+      local=self.local.directory,
+      persistent=str(root),
+    )
+    logger.info(
+      "%s emergency_ckpt manager ready: run_id=%s, local=%s, persistent=%s",
+      topo.log_prefix(),
+      self.run_id,
+      self.local.directory,
+      root,
+    )
+
+  def wait_saves(self) -> None:
+    """Blocks until every started save is durable, without waiting for
+    Orbax's load (restore() never waits for it). Called by: every process.
+
+    Raises:
+      EmergencyCheckpointError: the first error of background work.
+    """
+    topo, options = self.ctx.topology, self.ctx.options
+    self.wait_idle()
+    self.background.wait(self.persistent.in_flight)
+    # Orbax's finalize queues persistent retention: wait for it first. If
+    # Orbax's barrier gave up (after collective_timeout_s) without naming
+    # who is missing, one short exchange over the primary slice names them.
+    self.persistent.wait_until_finished(
+      probe=lambda: self.ctx.collectives.barrier(
+        "persistent_barrier_probe",
+        processes=topo.slice_processes[0],
+        timeout_s=min(10.0, options.collective_timeout_s),
+      )
+    )
+    self.background.drain()
+    self.wait_idle()
+
+  def wait_idle(self) -> None:
+    """Blocks on local writes and the buffer being prepared (work a caller
+    timing CPU or RAM should count). Called by: any process."""
+    self.local.wait()
+    self.staging.wait_prepared()
+
+  def close(self) -> None:
+    """Releases every part, lanes first. Called by: every process, once,
+    after waiting (CheckpointManager.close). An upload still in flight is
+    abandoned if background work failed."""
+    self.retainer.close()
+    self.local.close()
+    self.background.close(CLOSE_ORDER)
+    if self.redundancy is not None:
+      self.redundancy.close()
+    self.staging.close()
+    self.persistent.close(abandon=self.background.failed)
+    self.ctx.events.close()
+    # Its thread idle before the caller may shut jax.distributed down.
+    self.ctx.collectives.wait_deleted(KEY_DELETE_WAIT_S)

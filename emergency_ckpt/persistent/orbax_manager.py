@@ -1,0 +1,88 @@
+"""The Orbax CheckpointManager the persistent tier saves through, and why it is set up so.
+
+Orbax's defaults assume every process saves and waits at every barrier, and
+keep their own retention. Here only the primary slice uploads: its barriers
+span the primary slice's processes only, and its array handler writes the
+shards of replica 0 (which live on the primary slice, the state being
+replicated over the replica axis), so no copy is made and no other slice
+waits on an upload. Retention stays the manager's (retention/), which knows
+which steps are restorable; saves are asynchronous, with a timeout that
+fails Orbax's barriers after collective_timeout_s rather than Orbax's
+default of minutes; the folder is created by the tier, not by Orbax.
+
+Called by: PersistentTier.open(), on each primary-slice process, at its
+first persistent save.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from etils import epath
+
+from emergency_ckpt.cluster.topology import Topology
+
+
+def create(
+  ocp: Any,
+  directory: epath.Path,
+  *,
+  topology: Topology,
+  compression: bool,
+  timeout_s: float,
+  barrier_prefix: str,
+  on_finalized: Callable[[], None],
+) -> Any:
+  """An Orbax CheckpointManager that uploads the primary slice's shards.
+
+  Args:
+    ocp: the orbax.checkpoint module.
+    directory: the persistent directory's tensors/ folder (created here if
+      missing; idempotent on every process).
+    topology: this job's slices and processes (the primary slice's
+      processes are Orbax's active processes).
+    compression: Orbax's zstd on the chunks (persistent.compression).
+    timeout_s: Orbax's barrier timeout, in seconds (at least 1).
+    barrier_prefix: prefixes Orbax's barrier keys (unique per manager).
+    on_finalized: Orbax's post-finalization callback.
+
+  Returns:
+    The ocp.CheckpointManager.
+  """
+  procs = set(topology.slice_processes[0])
+  mp = ocp.options.MultiprocessingOptions(
+    primary_host=topology.primary_process,
+    active_processes=procs if topology.process_count > 1 else None,
+    barrier_sync_key_prefix=barrier_prefix,
+  )
+  directory.mkdir(parents=True, exist_ok=True)  # idempotent on every process
+  # Writes the shards of replica 0 only: the primary slice's.
+  registry = ocp.type_handlers.create_type_handler_registry(
+    (
+      jax.Array,
+      ocp.type_handlers.ArrayHandler(
+        primary_host=topology.primary_process, replica_id=0, use_replica_parallel=False
+      ),
+    )
+  )
+  return ocp.CheckpointManager(
+    directory,
+    item_handlers=ocp.PyTreeCheckpointHandler(
+      multiprocessing_options=mp,
+      type_handler_registry=registry,
+      use_compression=compression,
+    ),
+    options=ocp.CheckpointManagerOptions(
+      max_to_keep=None,  # retention is the manager's (retention/)
+      enable_async_checkpointing=True,
+      # timeout: a hung primary-slice process fails Orbax's barriers
+      # after collective_timeout_s, not Orbax's default 20 minutes.
+      async_options=ocp.AsyncOptions(
+        timeout_secs=max(1, int(timeout_s)), post_finalization_callback=on_finalized
+      ),
+      multiprocessing_options=mp,
+      create=False,
+    ),
+  )

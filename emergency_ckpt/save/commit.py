@@ -1,0 +1,228 @@
+"""The end of each save, in the background: this process's JSON state, the
+primary's COMMIT, the persistent step's finalization, the durability
+events, and the retention each of them lets run.
+
+After the local write (and the redundancy send, if any) the pipeline
+queues the state file (queue_state); once it is written the primary
+process writes the step's shard table (a persistent step) and COMMIT as
+soon as every process's file exists (the coordination service's counter is
+the hint). Orbax's finalize thread reports each finalized persistent step
+(persistent_finalized); the commit lane waits for its marker and records
+it. A persistent step's shard checksums (ShardSums) come from the local
+write's manifest, else are summed from the staged snapshot.
+
+Commits builds the persistent tier and the retainer: the tier reports each
+finalized step to Commits, so Commits must exist first; the retainer,
+which the commit and the finalization run, needs the tier.
+
+Called by: the save pipeline (pipeline.py) and the manager (which reads
+`persistent` and `retainer`), on every process.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from emergency_ckpt.core import failpoints
+from emergency_ckpt.persistent import checksums
+from emergency_ckpt.persistent import layout as persistent_layout
+from emergency_ckpt.persistent.tier import PersistentTier
+from emergency_ckpt.retention.retainer import Retainer
+
+if TYPE_CHECKING:
+  from emergency_ckpt.cluster.context import JobContext
+  from emergency_ckpt.core.records import StepRecords
+  from emergency_ckpt.runtime.background import Background
+  from emergency_ckpt.runtime.staging import HostSnapshot
+  from emergency_ckpt.save.tiers import LocalWriter, StateWriter
+
+logger = logging.getLogger("emergency_ckpt")
+
+
+@dataclasses.dataclass
+class ShardSums:
+  """What a persistent step's shard checksums are made from (primary slice)."""
+
+  snapshot: HostSnapshot
+  release: Callable[[], None]
+  """Lets the snapshot's buffer go (a hold() taken in save())."""
+  paths: list[str]
+  abstract: list[Any]
+
+  def crcs(self, local: LocalWriter | None) -> dict:
+    """This process's shard CRC32Cs; lets go of the snapshot, once.
+
+    Args:
+      local: the local tier if its write of the step succeeded (its
+        manifest summed these very bytes), else None.
+
+    Returns:
+      {leaf path: checksums}: from `local`'s manifest of the step, else
+      summed from the snapshot (checksums.snapshot_crcs).
+    """
+    try:
+      if local is not None:
+        try:
+          got = checksums.manifest_crcs(local.manifest(self.snapshot.step))
+        except (OSError, ValueError, KeyError, TypeError):  # gone or damaged: sum again
+          got = None
+        if got is not None:
+          return got
+      self.snapshot.wait_filled()
+      return checksums.snapshot_crcs(self.snapshot.layout, self.snapshot.buffer)
+    finally:
+      self.let_go()
+
+  def let_go(self) -> None:
+    """Lets go of the snapshot (once; later calls do nothing)."""
+    release, self.release = self.release, lambda: None
+    release()
+
+
+class Commits:
+  """The state files, COMMIT and persistent finalization of one process's saves."""
+
+  def __init__(
+    self,
+    ctx: JobContext,
+    *,
+    local: LocalWriter,
+    state: StateWriter,
+    records: StepRecords,
+    background: Background,
+    orbax_ready: Callable[[], None],
+  ):
+    """Builds the persistent tier (reporting to this object) and the retainer.
+
+    Args:
+      ctx: the job.
+      local: this process's local tier.
+      state: the state store.
+      records: the manager's per-step records.
+      background: the manager's background lanes.
+      orbax_ready: blocks until Orbax may be used (OrbaxLoader.ready).
+    """
+    options, topo = ctx.options, ctx.topology
+    self._ctx = ctx
+    self._local = local
+    self._state = state
+    self._records = records
+    self._background = background
+    self.persistent = PersistentTier(
+      options.persistent,
+      topology=topo,
+      mesh=ctx.mesh,
+      barrier_prefix=f"ec_{options.effective_run_id}",
+      on_finalized=self.persistent_finalized,
+      timeout_s=options.collective_timeout_s,
+      orbax_ready=orbax_ready,
+    )
+    self.retainer = Retainer(
+      options,
+      topology=topo,
+      collectives=ctx.collectives,
+      records=records,
+      background=background,
+      local=local,
+      persistent=self.persistent,
+      state=state,
+    )
+
+  def durable(self, step: int, tier: str, nbytes: int | None, error: str | None = None) -> None:
+    """Records that `tier` holds `step` (or failed to), in the event log.
+
+    Args:
+      step: the step.
+      tier: "local", "persistent", "state" or the redundancy scheme.
+      nbytes: bytes written, if known.
+      error: why it failed, or None.
+    """
+    t0 = self._records.started.get(step)
+    self._ctx.events.record(
+      "save_durable" if error is None else "save_failed",
+      step=step,
+      tier=tier,
+      durable_s=None if t0 is None else round(time.monotonic() - t0, 6),
+      bytes=nbytes,
+      error=error,
+    )
+
+  def queue_state(
+    self, step: int, data_state: dict | None, sums: ShardSums | None, *, written: bool = False
+  ) -> None:
+    """Queues this process's state file of `step` and, on the primary, its
+    COMMIT. Blocks on nothing.
+
+    Args:
+      step: the step.
+      data_state: this process's encoded data state.
+      sums: a persistent step's shard checksum sources, or None.
+      written: the local write of `step` succeeded (its manifest holds the
+        shard CRC32Cs a persistent step records).
+    """
+    topo, collectives = self._ctx.topology, self._ctx.collectives
+
+    def write_state() -> None:
+      try:
+        crcs = None if sums is None else sums.crcs(self._local if written else None)
+        self._state.write(step, data_state, crcs)
+      except Exception as e:
+        self.durable(step, "state", None, f"{type(e).__name__}: {e}")
+        raise
+      # the primary's commit hint; the last writer wakes its wait
+      collectives.count(f"state_written_{step}", topo.process_count)
+      self.durable(step, "state", None)
+
+    write = self._background.submit("state-write", write_state)
+    if topo.is_primary_process:
+      self._background.submit("commit", self._commit, write, step, sums)
+
+  def _commit(self, write: concurrent.futures.Future, step: int, sums: ShardSums | None) -> None:
+    topo, collectives = self._ctx.topology, self._ctx.collectives
+    write.result()
+    if sums is not None:  # a persistent step: its shard table, before COMMIT
+      primary = topo.slice_processes[0]
+      self._state.write_shard_table(
+        step, checksums.shard_table(step, sums.paths, sums.abstract, primary)
+      )
+    committed = self._state.commit(
+      step,
+      timeout_s=self._ctx.options.state_commit_timeout_s,
+      metrics=self._records.metrics.get(step),
+      info=self._records.info.get(step),
+      written=lambda timeout_s: collectives.wait_count(
+        f"state_written_{step}", topo.process_count, timeout_s=timeout_s
+      ),
+    )
+    # The counter was the commit's hint only: late writers add to a fresh one.
+    collectives.forget(count=f"state_written_{step}")
+    if committed:
+      self.retainer.after_commit(step)
+
+  def persistent_finalized(self, step: int) -> None:
+    """Follows up a finalized persistent step on the commit lane. Called
+    by: Orbax's finalize thread, on every primary-slice process, BEFORE
+    Orbax renames the step / writes its commit file (the lane waits for
+    that). Blocks on nothing.
+
+    Args:
+      step: the step Orbax finalized.
+    """
+    self._background.submit("commit", self._after_persistent, step)
+
+  def _after_persistent(self, step: int) -> None:
+    if not persistent_layout.wait_finalized(
+      self.persistent.directory, step, self._ctx.options.collective_timeout_s
+    ):
+      self.durable(step, "persistent", None, "not finalized in time")
+      return
+    failpoints.hit("persistent.after_finalize", step)
+    self._records.persistent_final.put(step, True)
+    self.durable(step, "persistent", None)
+    if self._ctx.topology.is_primary_process:
+      self.retainer.persistent()
