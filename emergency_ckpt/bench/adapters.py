@@ -119,11 +119,10 @@ class Ours(Adapter):
     self._m.prepare(self._layout.abstract)
 
   def wait_local(self):
-    local = getattr(self._m, "_local", None)
-    if local is not None and hasattr(local, "wait"):
-      local.wait()
-    else:  # the private hook moved: fall back to the full wait
-      self._m.wait_until_finished()
+    # The manager has no public "local tier only" wait: its parts' local tier
+    # is the private hook (never a silent fallback to the full wait, which
+    # would time the persistent upload as the local write).
+    self._m._parts.local.wait()  # noqa: SLF001
 
   def wait_all(self):
     self._m.wait_until_finished()

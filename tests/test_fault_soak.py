@@ -1,0 +1,88 @@
+"""Issue "A failing tier never stops training", part 4: a seeded fault soak.
+
+One training run per configuration, restarted round after round: each
+round a real multi-process jax.distributed job restores (checking every
+bit and data_state), trains, and is SIGKILLed at a seeded moment; then
+ramdisks are wiped, local files flipped, truncated or removed, hosts
+shuffled, the newest persistent step damaged, the bucket hung or failing
+(tests/soak/runner.py lists the invariants checked every round).
+
+Fixed seeds here; EC_SOAK_SEED / EC_SOAK_ROUNDS run others or more rounds
+(`python -m tests.soak --seed N --rounds R ...` replays one configuration
+from the shell). Every round's problems are collected (keep_going), so one
+failure does not hide another.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.soak import Config, run_soak
+
+ROUNDS = 4
+SEED_ENV, ROUNDS_ENV = "EC_SOAK_SEED", "EC_SOAK_ROUNDS"
+
+ORPHANS = (
+  "finding (soak, kind 'orphans'): after a restart onto shuffled hosts, what the killed"
+  " incarnation left in the process folder a restarted process adopts from another host is"
+  " never removed: its .tmp-spare-* folders (a step's shards.bin each), partner/process_<k>/"
+  " spares and, with local.redundancy='xor', its xor/ parity blocks and spare; they pile up"
+  " restart after restart"
+)
+
+TORN = (
+  "finding (soak, kind 'torn'): a step folder whose marker file is gone (step_<N>/ without"
+  " manifest.json, or xor/step_<N>/ without group.json) is never removed: not at start, not by"
+  " retention; its data stays on the ramdisk for the rest of the run"
+)
+KNOWN = {"orphans": ORPHANS, "torn": TORN}
+
+
+class KnownFinding(AssertionError):
+  """Every problem of the soak is of a kind a reported finding explains."""
+
+
+# (configuration, fixed seed, the findings its fixed seed always runs into: its
+# plan shuffles the hosts of a killed job, then saves enough for retention
+# to have dropped the adopted copies)
+CASES = [
+  (Config(redundancy="partner", slices=1, processes=4), 11, {"orphans": ORPHANS}),
+  (Config(redundancy="xor", slices=1, processes=4, gcs=True), 12, {}),
+  (Config(redundancy="none", slices=2, processes=4, gcs=True), 13, {"orphans": ORPHANS}),
+  (Config(redundancy="partner", slices=2, processes=4), 14, {}),
+]
+
+
+def _params():
+  for config, seed, known in CASES:
+    marks = []
+    if known and SEED_ENV not in os.environ:
+      reason = "; ".join(known.values())
+      marks.append(pytest.mark.xfail(strict=True, raises=KnownFinding, reason=reason))
+    yield pytest.param(config, seed, known, marks=marks, id=config.name)
+
+
+@pytest.mark.parametrize(("config", "seed", "known"), list(_params()))
+def test_fault_soak(config, seed, known, shm_dir, request):
+  seed = int(os.environ.get(SEED_ENV, seed))
+  rounds = int(os.environ.get(ROUNDS_ENV, ROUNDS))
+  gcs = None
+  if config.gcs:
+    gcs = (request.getfixturevalue("gcs_server"), request.getfixturevalue("gcs_proxy"))
+  summary = run_soak(config, seed, rounds, shm_dir, gcs=gcs, keep_going=True)
+  assert summary["rounds"] == rounds and summary["restores"] >= 1, summary
+  if summary["ok"]:
+    assert summary["lost"] == summary["regressed"] == summary["silent"] == 0, summary
+    return
+  report = "\n\n".join(f["text"] for f in summary["failures"])
+  kinds = {k for f in summary["failures"] for k in f["kinds"]}
+  if kinds <= set(known):
+    raise KnownFinding(f"only known findings ({sorted(kinds)}):\n{report}")
+  if kinds <= set(KNOWN):
+    # Reported findings, met where the seed does not always meet them: which
+    # file a damage lands on depends on what the killed job left (timing),
+    # and another EC_SOAK_SEED draws other faults.
+    pytest.xfail("; ".join(KNOWN[k] for k in sorted(kinds)) + f":\n{report}")
+  raise AssertionError(f"soak failed ({sorted(kinds)}), seed {seed}:\n{report}")
