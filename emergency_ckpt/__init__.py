@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 # public name -> module that defines it
 _EXPORTS = {
   "CheckpointManager": "emergency_ckpt.manager",
+  "Health": "emergency_ckpt.core.health",
+  "TierHealth": "emergency_ckpt.core.health",
   "RestoreResult": "emergency_ckpt.restore.restorer",
   "StepMetadata": "emergency_ckpt.restore.inventory",
   "CheckpointManagerOptions": "emergency_ckpt.options",
@@ -33,6 +35,7 @@ _EXPORTS = {
       "MetricsError",
       "NoRestorableCheckpointError",
       "PeerTransferError",
+      "PendingWorkTimeoutError",
       "ProtectedStepError",
       "StateMismatchError",
       "StepAlreadyExistsError",
@@ -54,12 +57,14 @@ __all__ = [
   "CorruptCheckpointError",
   "DataStateError",
   "EmergencyCheckpointError",
+  "Health",
   "InvalidOptionsError",
   "LocalTierOptions",
   "MetricsError",
   "NoRestorableCheckpointError",
   "PeerOptions",
   "PeerTransferError",
+  "PendingWorkTimeoutError",
   "PersistentTierOptions",
   "ProtectedStepError",
   "RestoreResult",
@@ -69,6 +74,7 @@ __all__ = [
   "StepMetadata",
   "StepNotRestorableError",
   "StorageError",
+  "TierHealth",
   "TopologyError",
   "TopologyMismatchError",
   "UnsafeDirectoryError",
@@ -92,6 +98,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, eagerly
   from emergency_ckpt.config import load_config, options_from_dict
+  from emergency_ckpt.core.health import Health, TierHealth
   from emergency_ckpt.errors import (
     CollectiveTimeoutError,
     ConfigError,
@@ -102,6 +109,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, eagerly
     MetricsError,
     NoRestorableCheckpointError,
     PeerTransferError,
+    PendingWorkTimeoutError,
     ProtectedStepError,
     StateMismatchError,
     StepAlreadyExistsError,

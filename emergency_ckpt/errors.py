@@ -162,6 +162,22 @@ class CollectiveTimeoutError(EmergencyCheckpointError, TimeoutError):
   """
 
 
+class PendingWorkTimeoutError(EmergencyCheckpointError, TimeoutError):
+  """wait_until_finished() or close() gave up waiting for background work.
+
+  Cause: a tier's work was still in flight after the timeout (the call's
+  `timeout_s`, else `CheckpointManagerOptions.finish_timeout_s`): typically
+  an upload to a bucket that hangs, refuses or crawls. The message names
+  each tier's pending work (tier, step, operation, how long it ran) and the
+  steps that never reached the persistent tier. Nothing committed is lost;
+  after close() the pending work is abandoned, uncommitted.
+
+  Fix: check the bucket (its status, credentials, network path); raise the
+  timeout if uploads are only slow; the newest committed step restores as
+  usual after a restart.
+  """
+
+
 class UnsafeDirectoryError(EmergencyCheckpointError, PermissionError):
   """A ramdisk directory is a symlink, foreign-owned or too open.
 

@@ -119,6 +119,7 @@ def options(args: dict) -> ec.CheckpointManagerOptions:
     persistent=ec.PersistentTierOptions(
       directory=args["persistent"],
       save_interval_steps=args.get("persistent_interval", 2),
+      when_busy=args.get("persistent_when_busy", "wait"),
       max_to_keep=args.get("persistent_keep", 3),
     ),
     replica_axis=args.get("replica_axis", "replica"),

@@ -24,20 +24,9 @@ from tests.soak import Config, run_soak
 ROUNDS = 4
 SEED_ENV, ROUNDS_ENV = "EC_SOAK_SEED", "EC_SOAK_ROUNDS"
 
-ORPHANS = (
-  "finding (soak, kind 'orphans'): after a restart onto shuffled hosts, what the killed"
-  " incarnation left in the process folder a restarted process adopts from another host is"
-  " never removed: its .tmp-spare-* folders (a step's shards.bin each), partner/process_<k>/"
-  " spares and, with local.redundancy='xor', its xor/ parity blocks and spare; they pile up"
-  " restart after restart"
-)
-
-TORN = (
-  "finding (soak, kind 'torn'): a step folder whose marker file is gone (step_<N>/ without"
-  " manifest.json, or xor/step_<N>/ without group.json) is never removed: not at start, not by"
-  " retention; its data stays on the ramdisk for the rest of the run"
-)
-KNOWN = {"orphans": ORPHANS, "torn": TORN}
+KNOWN: dict[str, str] = {}
+"""Kinds of problems a reported, still-open finding explains (none open now;
+"orphans" and "torn" were fixed in the local tier's start-up and retention)."""
 
 
 class KnownFinding(AssertionError):
@@ -48,9 +37,9 @@ class KnownFinding(AssertionError):
 # plan shuffles the hosts of a killed job, then saves enough for retention
 # to have dropped the adopted copies)
 CASES = [
-  (Config(redundancy="partner", slices=1, processes=4), 11, {"orphans": ORPHANS}),
+  (Config(redundancy="partner", slices=1, processes=4), 11, {}),
   (Config(redundancy="xor", slices=1, processes=4, gcs=True), 12, {}),
-  (Config(redundancy="none", slices=2, processes=4, gcs=True), 13, {"orphans": ORPHANS}),
+  (Config(redundancy="none", slices=2, processes=4, gcs=True), 13, {}),
   (Config(redundancy="partner", slices=2, processes=4), 14, {}),
 ]
 

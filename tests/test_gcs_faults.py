@@ -405,6 +405,9 @@ def test_transient_faults_on_both_clients_bit_exact(gcs_server, gcs_proxy, gcs_b
     "persistent": f"{gcs_bucket}/run",
     "steps": [1, 2, 3, 4],
     "persistent_keep": 2,
+    # one persistent step: a second one, saved while the retried upload of
+    # the first still runs, would be skipped (never waited for)
+    "persistent_interval": 4,
   }
   save_rules = [
     proxy.fail(times=2, status=503, method="POST", path="uploadType=multipart", client=GCSFS),

@@ -159,8 +159,13 @@ def test_explain_reasons():
     ([1, 2, 3, 4, 5], 1, {1, 2, 3}, {3, 4, 5}),
     ([5], 1, {5}, {5}),
     ([], 2, set(), set()),
-    # the newest commit is elsewhere (another host's steps), none held: delete nothing
-    ([1, 2, 3], 1, {10}, {1, 2, 3}),
+    # the newest commit is elsewhere (another host's steps), none held: the
+    # newest max_to_keep + 1 uncommitted steps stay (their commits may be in flight)
+    ([1, 2, 3], 1, {10}, {2, 3}),
+    # a state store that cannot commit (a sick bucket) never fills the
+    # ramdisk: the newest committed step and max_to_keep + 1 newer ones stay
+    ([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 2, {1}, {1, 8, 9, 10}),
+    ([1, 2, 3, 4, 5, 6], 2, set(), {4, 5, 6}),
     # held 2 committed, 3 and 4 not although 10 is: 3 and 4 stay (gc used to drop 3)
     ([1, 2, 3, 4], 1, {2, 10}, {2, 3, 4}),
     # no state store known (gc without one): the newest step stands in

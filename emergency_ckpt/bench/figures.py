@@ -30,10 +30,10 @@ class Metric:
   SAME_JOB_WHY). The raw-bounds job's ratio is kept as to_raw_job_bound."""
 
 
-# Measured on this 2-core VM: six bare 4-process jobs, each timing the same
-# 256 MiB memcpy 8 times, had job medians of 42-66 ms, while within a job two
-# buffers tracked each other within 0.95-1.13x. A 1.2x stall target cannot be
-# judged against another job's memcpy.
+# The same memcpy varies between jobs on a shared machine by more than a
+# 1.2x target, while within one job two buffers track each other closely
+# (docs/benchmarks.md has the figures): the stall is judged against a memcpy
+# timed in its own job.
 SAME_JOB_WHY = (
   "the same memcpy varies between jobs on this machine by more than the 1.2x"
   " target (bare jobs: medians 42-66 ms), so the stall is divided by a memcpy of"

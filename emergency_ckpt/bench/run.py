@@ -229,8 +229,8 @@ def main(argv=None, on_job=None) -> int:
   runner = Runner(args, shm_root, disk_root, on_job)
   base = {"mib": mib, "reps": reps, "shm_root": shm_root, "disk_root": disk_root}
   scale = mib * reps
-  # --quick: a main job takes 10-20 s here, a restart job 3-6 s; a hang is
-  # cut short so that a retried one still fits the smoke test's budget.
+  # --quick: a hang is cut short so that a retried job still fits the smoke
+  # test's budget; the full size scales with the bytes saved.
   t_main = args.job_timeout or (150 if args.quick else 240 + 0.5 * scale)
   t_small = args.job_timeout or (100 if args.quick else 150 + 0.15 * scale)
   progress(

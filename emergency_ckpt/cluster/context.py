@@ -3,7 +3,7 @@
 One frozen object instead of the same five parameters on every
 constructor: the job's topology (slices, process identity), its collectives
 (exchanges through the coordination service), the device mesh, the
-manager's options and the event log. The manager builds it once, before
+manager's options, the event log and the per-tier health. The manager builds it once, before
 anything that takes it; the save pipeline, the restorer, the inventory and
 the reshard transfer read it and never change it.
 
@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
   from emergency_ckpt.cluster.collectives import Collectives
   from emergency_ckpt.cluster.topology import Topology
+  from emergency_ckpt.core.health import HealthTracker
   from emergency_ckpt.core.telemetry import EventLog
   from emergency_ckpt.options import CheckpointManagerOptions
 
@@ -39,3 +40,6 @@ class JobContext:
   """The manager's options."""
   events: EventLog
   """This process's event log (save, restore and failure records)."""
+  health: HealthTracker
+  """Each tier's durable steps, work in flight, failures and skips (the
+  manager's health())."""

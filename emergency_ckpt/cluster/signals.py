@@ -171,6 +171,78 @@ class Signals:
           stop.wait(wait_s)
     return False
 
+  def _value_key(self, name: str) -> str:
+    return f"emergency_ckpt/{self._namespace}/value/{name}"
+
+  def flag_set(self, name: str) -> bool:
+    """Whether signal(name) was raised, without waiting. Called by: any
+    process. One call to the coordination service.
+
+    Args:
+      name: the flag's name.
+
+    Returns:
+      True if the flag is raised, and if the service cannot be read (a
+      flag is a veto: when in doubt, assume it was raised); False if it is
+      not, and always in single-process jobs.
+    """
+    if self._client is None:
+      return False
+    try:
+      self._client.key_value_try_get(self._signal_key(name))
+      return True
+    except Exception as e:  # noqa: BLE001 - absent (NOT_FOUND), or the service is gone
+      return "NOT_FOUND" not in str(e).upper().replace(" ", "_")
+
+  def publish(self, name: str, value: str) -> None:
+    """Sets the one-shot value `name` for every process of the job (e.g. a
+    decision). Called by: one process. One call; a failure is logged, not
+    raised (readers then time out and take their safe default). A no-op in
+    single-process jobs.
+
+    Args:
+      name: the value's name (unique per event).
+      value: the value.
+    """
+    if self._client is None:
+      return
+    try:
+      self._client.key_value_set(self._value_key(name), value)
+    except Exception as e:  # noqa: BLE001 - readers fall back after their timeout
+      logger.warning("%s value %r not published: %s", self._topology.log_prefix(), name, e)
+
+  def wait_value(self, name: str, *, timeout_s: float) -> str | None:
+    """The value publish(name, ...) set, waiting for it (before or after
+    this call). Called by: any process, from a background thread. Blocks
+    up to `timeout_s` on one call.
+
+    Args:
+      name: the value's name.
+      timeout_s: the longest wait.
+
+    Returns:
+      The value; None after `timeout_s`, if the service is gone, and always
+      in single-process jobs.
+    """
+    if self._client is None:
+      return None
+    try:
+      return self._client.blocking_key_value_get(
+        self._value_key(name), max(1, int(timeout_s * 1000))
+      )
+    except Exception:  # noqa: BLE001 - a timeout, or the service is going away
+      return None
+
+  def forget_value(self, name: str) -> None:
+    """Deletes the value `name` once nobody reads it. Called by: the process
+    that published it. One call; a failure is logged, not raised."""
+    if self._client is None:
+      return
+    try:
+      self._client.key_value_delete(self._value_key(name))
+    except Exception as e:  # noqa: BLE001 - it only frees the service's memory
+      logger.debug("%s value %r not deleted: %s", self._topology.log_prefix(), name, e)
+
 
 def _reached(count: str) -> str:
   """The signal that counter `count` reached its target (count(), wait_count)."""

@@ -79,6 +79,27 @@ def partner_folders(dirs: Sequence[str]) -> list[str]:
   return out
 
 
+def redundancy_folders(process_dir: str) -> list[tuple[str, str]]:
+  """The folders in a process folder that hold other processes' steps, each
+  with the file that makes a step folder a step there (real folders only,
+  never links).
+
+  Args:
+    process_dir: a process folder.
+
+  Returns:
+    [(`partner/process_<i>` folder, manifest.json)...] by name, then
+    (`xor` folder, group.json) if present.
+  """
+  root = os.path.join(process_dir, PARTNER_DIR)
+  out = [] if os.path.islink(root) else partner_folders([process_dir])
+  out = [(f, local_format.MANIFEST) for f in out if os.path.isdir(f)]
+  xor = xor_dir(process_dir)
+  if not os.path.islink(xor) and os.path.isdir(xor):
+    out.append((xor, GROUP_FILE))
+  return out
+
+
 # ---- parity blocks: listing and reading -----------------------------------------------
 def xor_dir(process_dir: str) -> str:
   """Where a process keeps its parity blocks.

@@ -14,20 +14,26 @@ not by who wrote it. Three kinds:
 - XOR parity blocks in this host's process folders (`parity`), from which
   a lost group member is rebuilt (redundancy/xor.py).
 Live folders (held by a manager: owner.py, or of a process of this job on
-this machine: set_colocated) are never taken.
+this machine: set_colocated) are never taken. What the dead ones left
+beyond the steps (spares, saves in progress, torn step folders) goes at
+start (clean_up, with this process's own leftovers), and their steps and
+parity blocks once retention no longer needs them (sweep), then the
+emptied folders.
 
-Called by: tier.py (LocalTier.usable_steps and the accessors beside it),
-which hands Copy and Parity to the restore side. Per process; no collective.
+Called by: tier.py (LocalTier.usable_steps and the accessors beside it,
+its start-up and apply_retention), which hands Copy and Parity to the
+restore side. Per process; no collective.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import logging
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 from emergency_ckpt.cluster import topology as topology_lib
 from emergency_ckpt.cluster.topology import Topology
@@ -130,7 +136,7 @@ class HostCopies:
     """{step: {saved process: (folder, Copy)}} of every copy of this run."""
     self.parity: dict[int, dict[int, Parity]] = {}
     """{step: {saved process: Parity}} of the parity blocks in this host's folders."""
-    self._colocated: set[int] = set()
+    self._colocated: set[int] | None = None  # None: not known yet
 
   def set_colocated(self, processes: Iterable[int]) -> None:
     """The processes of this job on this machine: their folders are live,
@@ -140,6 +146,59 @@ class HostCopies:
       processes: their process indices (the placement check's group).
     """
     self._colocated = {int(p) for p in processes}
+
+  def clean_up(self) -> None:
+    """At start, once this process holds its folder: removes what crashed
+    incarnations left in it and in the folders of this run no live process
+    holds (_clear: `.tmp-*`, Orbax's temporary folders, step folders
+    without their marker), in their partner and XOR folders too. Steps stay
+    (a restore may need them)."""
+    for folder in [self._directory, *self._other_folders()]:
+      _clear(folder)
+
+  def sweep(self, keep: Collection[int], doomed: Sequence[int]) -> None:
+    """After a retention pass that kept `keep` and deleted `doomed`: in this
+    process's folder and its partner and XOR folders, the step folders
+    without their marker (damaged since the start); in the folders no live
+    process holds, what clean_up removes, then, if the pass deleted a step,
+    every step folder (data, partner copy, parity block) `keep` lacks that
+    is older than it (the local plan deletes nothing while no step held is
+    committed, else it protects the newest committed one and every newer
+    step: older ones are none the newest restorable step may need); a
+    folder left empty goes, the process folder itself (with its owner file)
+    once this machine's processes are known (set_colocated: each of them
+    holds its folder by then). Failures are ignored.
+
+    Args:
+      keep: the steps retention keeps.
+      doomed: the steps it deleted.
+    """
+    own = [(self._directory, local_format.MANIFEST), *blocks.redundancy_folders(self._directory)]
+    gone = [p for folder, marker in own for p in folders.drop_unmarked(folder, marker)]
+    below = max(doomed) + 1 if doomed else None
+    for folder in self._other_folders():
+      gone += _clear(folder)
+      subs = blocks.redundancy_folders(folder)
+      if below is not None:
+        for sub in [folder, *(f for f, _ in subs)]:
+          gone += folders.drop_older(sub, below, keep)
+      for sub in [*(f for f, _ in subs), os.path.join(folder, blocks.PARTNER_DIR)]:
+        with contextlib.suppress(OSError):
+          os.rmdir(sub)  # if empty
+      if self._colocated is not None:
+        local_owner.remove_unused(folder)
+    if gone:
+      self._forget(set(gone))
+
+  def _forget(self, gone: set[str]) -> None:
+    """Drops the copies and parity blocks in the removed step folders `gone`."""
+    self.sources = {s: w for s, w in self.sources.items() if w not in gone}
+    copies = {s: {p: c for p, c in f.items() if c[0] not in gone} for s, f in self.copies.items()}
+    self.copies = {s: found for s, found in copies.items() if found}
+    parity = {
+      s: {p: b for p, b in f.items() if b.where not in gone} for s, f in self.parity.items()
+    }
+    self.parity = {s: found for s, found in parity.items() if found}
 
   def adopted(self) -> dict[int, str]:
     """The copies this process can read that lie in other processes' folders.
@@ -263,7 +322,7 @@ class HostCopies:
         and path != self._directory
         and not os.path.islink(path)
         and os.path.isdir(path)
-        and layout.process_of_dir_name(name) not in self._colocated
+        and layout.process_of_dir_name(name) not in (self._colocated or ())
         and not local_owner.held(path)
       ):
         out.append(path)
@@ -285,3 +344,16 @@ class HostCopies:
         gone = folders.rename_out_of_namespace(where)
         if gone is not None:
           folders.remove_renamed(gone)
+
+
+def _clear(process_dir: str) -> list[str]:
+  """Removes what a crashed incarnation left in a process folder and in its
+  partner and XOR folders: `.tmp-*` (saves and receipts in progress,
+  spares, deletions), Orbax's temporary folders, step folders without
+  their marker (torn: never restorable). Returns the removed step folders."""
+  folders.remove_tmp(process_dir, also=lambda name: layout.ORBAX_TMP_MARK in name)
+  gone = folders.drop_unmarked(process_dir, local_format.MANIFEST)
+  for sub, marker in blocks.redundancy_folders(process_dir):
+    folders.remove_tmp(sub)
+    gone += folders.drop_unmarked(sub, marker)
+  return gone

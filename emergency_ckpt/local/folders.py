@@ -321,3 +321,66 @@ def delete_local_step_dir(path: str) -> None:
   doomed = rename_out_of_namespace(path)
   if doomed is not None:
     remove_renamed(doomed)
+
+
+# ---- what no step needs ------------------------------------------------------------
+def drop_unmarked(folder: str, marker: str) -> list[str]:
+  """Removes the `step_<N>` folders (real folders: a link is left alone)
+  that lack their marker file: torn or damaged, never restorable (the
+  marker is written before a step folder is renamed into place, and goes
+  only with it). Each is renamed away first and removed only if it is still
+  the folder found without its marker (a step renamed into place under that
+  name meanwhile is put back). Failures are ignored.
+
+  Args:
+    folder: a process, partner or XOR folder.
+    marker: the file that makes a step folder a step there.
+
+  Returns:
+    The paths of the removed step folders.
+  """
+  gone = []
+  for name in names(folder):
+    path = os.path.join(folder, name)
+    with contextlib.suppress(OSError):
+      st = os.lstat(path)
+      if (
+        layout.step_of_dir_name(name) is None
+        or not stat.S_ISDIR(st.st_mode)
+        or os.path.lexists(os.path.join(path, marker))
+      ):
+        continue
+      doomed = rename_out_of_namespace(path)
+      if doomed is None:
+        continue
+      now = os.lstat(doomed)
+      if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino) or os.path.lexists(
+        os.path.join(doomed, marker)
+      ):
+        os.rename(doomed, path)  # not the torn folder: a step committed meanwhile
+        continue
+      gone.append(path)
+      remove_renamed(doomed)
+  return gone
+
+
+def drop_older(folder: str, below: int, keep) -> list[str]:
+  """Removes the `step_<N>` folders with N < `below` that `keep` lacks,
+  marked or not (each renamed away first). Failures are ignored.
+
+  Args:
+    folder: a folder no live process holds, or one of its partner or XOR folders.
+    below: the oldest step that stays whatever `keep` says.
+    keep: steps that stay.
+
+  Returns:
+    The paths of the removed step folders.
+  """
+  gone = []
+  for name in names(folder):
+    step = layout.step_of_dir_name(name)
+    if step is not None and step < below and step not in keep:
+      with contextlib.suppress(OSError):
+        delete_local_step_dir(os.path.join(folder, name))
+        gone.append(os.path.join(folder, name))
+  return gone

@@ -9,7 +9,7 @@ for copies left by earlier processes (discovery.py) never takes, or
 deletes, a live folder's steps.
 
 Called by: tier.py (creating and taking its folder), discovery.py (skipping
-live folders). Per process; no collective, no JAX.
+live folders, removing dead ones left empty). Per process; no collective, no JAX.
 """
 
 from __future__ import annotations
@@ -111,6 +111,35 @@ def held(folder: str) -> bool:
   finally:
     os.close(fd)  # closing drops the probe's own lock
   return False
+
+
+def remove_unused(folder: str) -> bool:
+  """Removes a process folder that holds nothing but its owner file, under
+  the folder's lock (never one a live process holds). Failures are ignored.
+
+  Args:
+    folder: a process folder no live process of this job uses.
+
+  Returns:
+    True if it is gone.
+  """
+  if os.path.islink(folder):
+    return False
+  try:
+    fd = os.open(os.path.join(folder, layout.OWNER_FILE), os.O_RDONLY | os.O_NOFOLLOW)
+  except OSError:
+    return False  # none (a folder being made has none yet), or not ours to judge
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    if os.listdir(folder) != [layout.OWNER_FILE]:
+      return False
+    os.unlink(os.path.join(folder, layout.OWNER_FILE))
+    os.rmdir(folder)
+  except OSError:
+    return False
+  finally:
+    os.close(fd)
+  return True
 
 
 def release(fd: int | None) -> None:

@@ -101,10 +101,9 @@ class LocalTier:
     self._orbax_ready = orbax_ready
     self._checkpointer: LocalCheckpointer | None = None
     self._open_lock = threading.Lock()
-    # what a crashed incarnation left: saves in progress, spares and deletions
-    # (`.tmp-*`), Orbax's own temporary folders (e.g. of a plain Orbax save)
-    folders.remove_tmp(self.directory, also=lambda name: layout.ORBAX_TMP_MARK in name)
     self._owner = local_owner.take(self.directory, topology.log_prefix())
+    if self._owner is not None:  # what crashed incarnations left here and in dead folders
+      self._host.clean_up()
 
   def _open(self) -> LocalCheckpointer:
     """The tier's Orbax checkpointer, created on first use (after
@@ -368,8 +367,8 @@ class LocalTier:
     folders.remove_renamed(doomed)
 
   def apply_retention(self, keep: set[int], among: Sequence[int] | None = None) -> list[int]:
-    """Deletes held steps (held_steps()) not in `keep`; this process's own
-    files become spares for later saves.
+    """Deletes held steps (held_steps()) not in `keep`, own files kept as spares
+    for later saves; then torn folders and dead folders' leftovers (discovery.py).
 
     Args:
       keep: the steps to keep.
@@ -382,6 +381,7 @@ class LocalTier:
     doomed = [s for s in (self.held_steps() if among is None else among) if s not in keep]
     for s in doomed:
       self.delete(s, recycle=True)  # own, else a copy another process left here
+    self._host.sweep(keep, doomed)
     return doomed
 
   def close(self) -> None:

@@ -6,7 +6,6 @@ runs in save/, a restore in restore/ (see each package).
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any
 
@@ -15,10 +14,10 @@ import jax
 from emergency_ckpt.cluster.jax_runtime import reached_preemption
 from emergency_ckpt.cluster.topology import Topology
 from emergency_ckpt.core import shards as shards_lib
+from emergency_ckpt.core.health import Health
 from emergency_ckpt.errors import (
   EmergencyCheckpointError,
-  InvalidOptionsError,
-  ProtectedStepError,
+  PendingWorkTimeoutError,
   StepAlreadyExistsError,
   StepError,
 )
@@ -26,9 +25,6 @@ from emergency_ckpt.manager.parts import Parts
 from emergency_ckpt.options import CheckpointManagerOptions
 from emergency_ckpt.restore.inventory import StepMetadata
 from emergency_ckpt.restore.restorer import DataStateRemap, RestoreResult, check_data_state_target
-from emergency_ckpt.retention import rules as retention
-
-logger = logging.getLogger("emergency_ckpt")
 
 
 class CheckpointManager:
@@ -157,19 +153,38 @@ class CheckpointManager:
     paths, abstract, _ = shards_lib.leaf_paths(abstract_state)
     self._staging.prepare(paths, abstract)
 
-  def wait_until_finished(self) -> None:
+  def wait_until_finished(self, timeout_s: float | None = None) -> None:
     """Blocks until every started save is durable (local files, JSON, COMMIT,
-    persistent upload) and Orbax is loaded and set up. Called by: every
-    process.
+    persistent upload) and Orbax is loaded and set up, at most `timeout_s`
+    (None: options.finish_timeout_s). Called by: every process.
+
+    Args:
+      timeout_s: the longest wait in seconds; None for the options' default.
 
     Raises:
+      PendingWorkTimeoutError: past the timeout, naming each tier's pending
+        work and the steps that never reached the persistent tier.
       EmergencyCheckpointError: the first error of background work, as soon
         as it happens (e.g. StorageError from the upload, or
         CollectiveTimeoutError naming the processes the upload's barrier
         missed).
     """
-    self._parts.wait_saves()
-    self._parts.orbax.ready()
+    limit = self._options.finish_timeout_s if timeout_s is None else timeout_s
+    self._parts.finish("wait_until_finished", limit)
+
+  def health(self) -> Health:
+    """Each tier's state on this process: the newest durable step, the work
+    in flight and how long the oldest has run, failures in a row, skipped
+    steps. Never raises for a sick tier (save() does not either: a tier
+    degrades, training goes on). Called by: any process, any time; blocks
+    on nothing.
+
+    Returns:
+      A read-only mapping of tier name ("local", "persistent", "state",
+      and the redundancy scheme if any) to TierHealth; `.ok` is False while
+      a tier's newest work failed, `.problems()` says what is wrong.
+    """
+    return self._parts.ctx.health.snapshot()
 
   # ---- inventory and restore ----------------------------------------------
   def all_steps(self) -> list[int]:
@@ -272,18 +287,7 @@ class CheckpointManager:
       CollectiveTimeoutError: a process did not join an exchange in time.
     """
     self._check_open()
-    metric = self._options.best_metric
-    if metric is None:
-      raise InvalidOptionsError(
-        "best_step() needs best_metric in CheckpointManagerOptions (the"
-        " save(metrics=...) key that ranks steps) and best_mode (min or max)."
-      )
-    steps, topo, ranked = self.all_steps(), self._topology, None
-    if topo.is_primary_process:  # the primary ranks, its answer goes to all
-      metrics = self._parts.retainer.metrics_of(steps)
-      ranked = retention.best_steps(metrics, metric, self._options.best_mode, n=1)
-    ranked = self._collectives.broadcast("best_step", ranked, source=topo.primary_process)
-    return ranked[0] if ranked else None
+    return self._parts.best_step(self.all_steps())
 
   def metadata(self, step: int) -> StepMetadata:
     """Which tiers hold `step`, its size, the topology it was saved with, its
@@ -338,51 +342,46 @@ class CheckpointManager:
     self._check_open()
     _check_step(step)
     self.wait_until_finished()
-    restorable = self.all_steps()
-    if restorable == [step] and not force:
-      raise ProtectedStepError(
-        f"step {step} is the only restorable step; deleting it leaves nothing to"
-        " restore. Save a newer step first, or pass force=True."
-      )
-    parts = self._parts
-    if self._topology.is_primary_process:
-      parts.state.delete(step)  # unrestorable from here on
-      parts.persistent.delete(step)
-    self._collectives.barrier(f"delete_{step}_state")
-    parts.local.delete(step)
-    self._records.forget(step)
-    self._collectives.barrier(f"delete_{step}")
-    logger.info("%s deleted step %d", self._topology.log_prefix(), step)
+    self._parts.delete(step, restorable=self.all_steps(), force=force)
 
   # ---- lifecycle -----------------------------------------------------------
   def _check_open(self) -> None:
     if self._closed:
       raise EmergencyCheckpointError("this CheckpointManager is closed; create a new one.")
 
-  def close(self) -> None:
-    """Waits for background work, then releases threads; a second call
-    does nothing. After background work failed (its error already raised),
-    an upload still in flight is abandoned, uncommitted (it may wait in
-    Orbax's barrier for processes that failed too; never restored, it is
-    removed by Orbax's next start).
+  def close(self, timeout_s: float | None = None) -> None:
+    """Waits for background work (at most `timeout_s`; None:
+    options.finish_timeout_s), then releases threads; a second call does
+    nothing. After background work failed (its error already raised), or
+    once the wait gave up, work still in flight is abandoned, uncommitted
+    (never restored; Orbax's next start removes a partial upload).
 
     Called by: every process. Blocks on wait_until_finished() (after a
     failure, on this process's local writes only).
 
+    Args:
+      timeout_s: the longest wait in seconds; None for the options' default.
+
     Raises:
+      PendingWorkTimeoutError: the wait gave up (the manager is closed all
+        the same, its pending work abandoned).
       EmergencyCheckpointError: background work failed while waiting (the
         manager is closed all the same).
     """
     if self._closed:
       return
+    abandon = False
     try:
       if self._background.failed:
         self._parts.wait_idle()
       else:
-        self.wait_until_finished()
+        self.wait_until_finished(timeout_s)
+    except PendingWorkTimeoutError:
+      abandon = True
+      raise
     finally:
       self._closed = True
-      self._parts.close()
+      self._parts.close(abandon=abandon)
 
   def __enter__(self) -> CheckpointManager:
     return self

@@ -29,15 +29,18 @@ from emergency_ckpt.cluster.collectives import Collectives
 from emergency_ckpt.cluster.context import JobContext
 from emergency_ckpt.cluster.topology import host_identity, job_key, topology_from_mesh
 from emergency_ckpt.core import layout
+from emergency_ckpt.core.health import HealthTracker
 from emergency_ckpt.core.records import StepRecords
 from emergency_ckpt.core.telemetry import EventLog
+from emergency_ckpt.errors import InvalidOptionsError, PendingWorkTimeoutError, ProtectedStepError
 from emergency_ckpt.local.tier import LocalTier
 from emergency_ckpt.persistent import layout as persistent_layout
 from emergency_ckpt.persistent.orbax_loader import OrbaxLoader
 from emergency_ckpt.redundancy import links as redundancy_links
 from emergency_ckpt.restore.inventory import Inventory
 from emergency_ckpt.restore.restorer import Restorer
-from emergency_ckpt.runtime.background import Background
+from emergency_ckpt.retention import rules as retention
+from emergency_ckpt.runtime.background import Background, run_within
 from emergency_ckpt.runtime.staging import StagingArea
 from emergency_ckpt.save.commit import Commits
 from emergency_ckpt.save.pipeline import SavePipeline
@@ -136,8 +139,16 @@ class Parts:
       layout.state_dir(root), process_index=topo.process_index, process_count=topo.process_count
     )
     events = EventLog(options.event_log, process=topo.process_index, slice=topo.slice_index)
+    tracked = ["local", "persistent", "state"]
+    if options.local.redundancy != "none":
+      tracked.append(options.local.redundancy)
     ctx = JobContext(
-      topology=topo, collectives=collectives, mesh=mesh, options=options, events=events
+      topology=topo,
+      collectives=collectives,
+      mesh=mesh,
+      options=options,
+      events=events,
+      health=HealthTracker(tracked),
     )
     commits = Commits(
       ctx, local=local, state=state, records=records, background=background, orbax_ready=orbax.ready
@@ -237,17 +248,98 @@ class Parts:
     self.local.wait()
     self.staging.wait_prepared()
 
-  def close(self) -> None:
+  def best_step(self, steps: list[int]) -> int | None:
+    """The step of `steps` with the best best_metric (ties: the newest),
+    ranked by the primary, its answer given to all. Called by: every
+    process (CheckpointManager.best_step). Blocks on one exchange.
+
+    Raises:
+      InvalidOptionsError: the options name no best_metric.
+    """
+    options, topo = self.ctx.options, self.ctx.topology
+    if options.best_metric is None:
+      raise InvalidOptionsError(
+        "best_step() needs best_metric in CheckpointManagerOptions (the"
+        " save(metrics=...) key that ranks steps) and best_mode (min or max)."
+      )
+    ranked = None
+    if topo.is_primary_process:
+      metrics = self.retainer.metrics_of(steps)
+      ranked = retention.best_steps(metrics, options.best_metric, options.best_mode, n=1)
+    ranked = self.ctx.collectives.broadcast("best_step", ranked, source=topo.primary_process)
+    return ranked[0] if ranked else None
+
+  def delete(self, step: int, *, restorable: list[int], force: bool) -> None:
+    """Deletes `step` from every tier, markers first (CheckpointManager.delete).
+    Called by: every process. Blocks on two barriers.
+
+    Raises:
+      ProtectedStepError: it is the only restorable step, without `force`.
+    """
+    if restorable == [step] and not force:
+      raise ProtectedStepError(
+        f"step {step} is the only restorable step; deleting it leaves nothing to"
+        " restore. Save a newer step first, or pass force=True."
+      )
+    topo, collectives = self.ctx.topology, self.ctx.collectives
+    if topo.is_primary_process:
+      self.state.delete(step)  # unrestorable from here on
+      self.persistent.delete(step)
+    collectives.barrier(f"delete_{step}_state")
+    self.local.delete(step)
+    self.records.forget(step)
+    collectives.barrier(f"delete_{step}")
+    logger.info("%s deleted step %d", topo.log_prefix(), step)
+
+  def finish(self, what: str, timeout_s: float | None) -> None:
+    """wait_saves(), then Orbax's load, at most `timeout_s` (None: as long
+    as they take). Called by: every process.
+
+    Args:
+      what: the caller's name, for the error ("wait_until_finished").
+      timeout_s: the longest wait, or None.
+
+    Raises:
+      PendingWorkTimeoutError: naming the work still pending after `timeout_s`.
+      EmergencyCheckpointError: the first error of background work.
+    """
+
+    def work() -> None:
+      self.wait_saves()
+      self.orbax.ready()
+
+    if not run_within(work, timeout_s):
+      raise PendingWorkTimeoutError(self._pending(what, timeout_s))
+
+  def _pending(self, what: str, timeout_s: float) -> str:
+    health = self.ctx.health.snapshot()
+    busy = [
+      f"{t.tier}: {', '.join(t.in_flight)} (the oldest running for {t.oldest_in_flight_s:.0f}s)"
+      for t in health.values()
+      if t.in_flight
+    ]
+    p = health["persistent"]
+    missing = sorted({*p.skipped_steps, *(int(op.rsplit(" ", 1)[1]) for op in p.in_flight)})
+    return (
+      f"{self.ctx.topology.log_prefix()} {what}() gave up after {timeout_s:.0f}s; still"
+      f" pending: {'; '.join(busy) or 'Orbax loading'}."
+      + (f" Steps that never reached the persistent tier: {missing}." if missing else "")
+      + (f" The persistent tier's last error: {p.last_error}." if p.last_error else "")
+      + " Check the bucket; raise the timeout (finish_timeout_s) if it is only slow."
+    )
+
+  def close(self, *, abandon: bool = False) -> None:
     """Releases every part, lanes first. Called by: every process, once,
     after waiting (CheckpointManager.close). An upload still in flight is
-    abandoned if background work failed."""
+    abandoned if background work failed or `abandon` (the wait gave up):
+    then nothing here waits for work still in flight."""
     self.retainer.close()
     self.local.close()
-    self.background.close(CLOSE_ORDER)
+    self.background.close(CLOSE_ORDER, abandon=abandon)
     if self.redundancy is not None:
       self.redundancy.close()
     self.staging.close()
-    self.persistent.close(abandon=self.background.failed)
+    self.persistent.close(abandon=abandon or self.background.failed)
     self.ctx.events.close()
     # Its thread idle before the caller may shut jax.distributed down.
     self.ctx.collectives.wait_deleted(KEY_DELETE_WAIT_S)

@@ -140,6 +140,16 @@ class PersistentTierOptions:
   """Also keep the `keep_best` best steps by the manager's `best_metric`.
   Default None: off. None or an integer >= 1; needs `best_metric`."""
 
+  when_busy: str = "wait"
+  """What a persistent step does when the previous upload still runs:
+  "wait" (save() waits for it, as Orbax's own managers do: every
+  persistent step reaches the bucket, but a hung or slow bucket stalls
+  training for as long as it is sick) or "skip" (the step is skipped on the
+  whole primary slice, agreed without blocking save(); training never
+  waits for the bucket, health() and a save_skipped event name the skipped
+  steps). Default "wait": a trainer that saves persistent steps faster than
+  the bucket takes them keeps every one of them. "wait" or "skip"."""
+
   compression: bool = False
   """zstd (level 1) in Orbax's zarr3 chunks, Orbax's default. Default False:
   the same standard format uncompressed takes less CPU per upload on the
@@ -263,6 +273,17 @@ class CheckpointManagerOptions:
   local write (and redundancy copies) of the step, in the background, so a
   slow host may take far longer than an exchange, and the wait blocks no
   training step. A number > 0."""
+
+  finish_timeout_s: float | None = 1800.0
+  """Longest wait, in seconds, of wait_until_finished() and close() when
+  they are called without a timeout of their own. Past it they raise
+  PendingWorkTimeoutError naming each tier's work still in flight (e.g. an
+  upload to a bucket that stopped answering) and the steps that never
+  reached the persistent tier; close() then abandons that work, uncommitted,
+  so a job ending while its bucket is down exits. Default 1800 (30
+  minutes): longer than a healthy upload of a large model takes, short
+  enough that a dead bucket cannot hold a finished job for hours. A number
+  > 0, or None to wait as long as it takes."""
 
   event_log: str | None = None
   """JSON-lines file of save/restore records (one line per event; read by

@@ -154,6 +154,10 @@ def check_persistent(o: Any) -> None:
     InvalidOptionsError: naming the first impossible field.
   """
   require(isinstance(o.compression, bool), "persistent.compression must be true or false.")
+  require(
+    o.when_busy in ("wait", "skip"),
+    f"persistent.when_busy must be 'wait' or 'skip', got {o.when_busy!r}.",
+  )
   require(isinstance(o.shared_read, bool), "persistent.shared_read must be true or false.")
   optional_positive_int(o.shared_read_slices, "persistent.shared_read_slices")
   require(
@@ -238,9 +242,13 @@ def check_manager(o: Any, local: type, persistent: type, peer: type) -> None:
     o.host_id is None or (isinstance(o.host_id, str) and bool(o.host_id.strip())),
     f"host_id must be a non-empty string or None (the machine's boot id), got {o.host_id!r}.",
   )
-  for name in ("collective_timeout_s", "state_commit_timeout_s"):
+  for name in ("collective_timeout_s", "state_commit_timeout_s", "finish_timeout_s"):
     value = getattr(o, name)
+    if value is None and name == "finish_timeout_s":
+      continue
     require(
       isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0,
-      f"{name} must be a number > 0, got {value!r}.",
+      f"{name} must be a number > 0"
+      + (" or None (no limit)" if name == "finish_timeout_s" else "")
+      + f", got {value!r}.",
     )

@@ -93,6 +93,8 @@ class PersistentTier:
     self._on_finalized = on_finalized
     self._saving_step: int | None = None
     self._upload: concurrent.futures.Future | None = None  # save_snapshot's, if any
+    self._upload_step: int | None = None  # the step of the last upload started or queued
+    self._upload_started: float | None = None  # time.monotonic() it began (None: queued)
     self._uploader = concurrent.futures.ThreadPoolExecutor(1, "ec-persistent-upload")
     # Every process, before anything waits on another: a missing bucket fails
     # each of them at once, naming it (on GCS; no-op elsewhere).
@@ -155,53 +157,62 @@ class PersistentTier:
       return True
     return self._manager is not None and self._manager.is_saving_in_progress()
 
-  def wait_previous(self, step: int) -> None:
-    """Waits for the previous upload and re-raises its error: at most ONE is in flight.
+  def running(self) -> str | None:
+    """What this process's upload in flight is, for a skip's message: e.g.
+    "Orbax's upload of step 12 to gs://b/run/tensors, running for 8.1s";
+    None when none runs."""
+    if not self.busy():
+      return None
+    step, started = self._upload_step, self._upload_started
+    if started is None:
+      return f"the upload of step {step}, waiting for the primary slice to agree on it"
+    return (
+      f"Orbax's upload of step {step} to {self.directory}, running for"
+      f" {time.monotonic() - started:.1f}s"
+    )
 
-    Waiting (rather than skipping this save) needs no agreement between the
-    primary slice's processes (a skip decided per process would split them
-    across Orbax's barriers) and keeps the persistent tier's promised
-    interval; a warning says how long it waited.
+  def wait_idle(self, step: int) -> None:
+    """Waits for the upload in flight (persistent.when_busy="wait"), with a
+    warning saying how long; its error is the upload's own, recorded when
+    it ended (wait_until_finished() raises it).
 
     Args:
       step: the step about to be saved (named in the warning).
-
-    Raises:
-      StorageError: the previous upload failed (its error, translated).
     """
-    if self.busy():
-      t0 = time.monotonic()
-      previous = self._saving_step
-      self._wait_all()
-      logger.warning(
-        "%s persistent save of step %d waited %.1fs for the upload of step %s (at most one"
-        " upload is in flight): the bucket is slower than persistent.save_interval_steps"
-        " allows; raise the interval or check the bucket's throughput.",
-        self._topology.log_prefix(),
-        step,
-        time.monotonic() - t0,
-        previous,
-      )
-    upload, self._upload = self._upload, None
-    try:
-      if upload is not None:
-        upload.result()  # a finished upload's error surfaces here
-    except Exception as e:
-      raise self._translate(e) from e
+    if not self.busy():
+      return
+    t0, previous = time.monotonic(), self._upload_step
+    if self._upload is not None:
+      concurrent.futures.wait([self._upload])
+    if self._manager is not None:
+      try:
+        self._manager.wait_until_finished()
+      except Exception as e:  # noqa: BLE001 - recorded as the upload's failure
+        logger.debug("%s upload of step %s failed: %s", self._topology.log_prefix(), previous, e)
+    logger.warning(
+      "%s persistent save of step %d waited %.1fs for the upload of step %s (at most one"
+      " upload is in flight): the bucket is slower than persistent.save_interval_steps"
+      " allows; raise the interval, check the bucket, or set persistent.when_busy='skip'"
+      " so that training never waits for it.",
+      self._topology.log_prefix(),
+      step,
+      time.monotonic() - t0,
+      previous,
+    )
 
   def _check_ready(self) -> None:
-    """save() and save_snapshot() come after wait_previous(): at most one
-    upload is in flight, and the caller chooses where to wait for it (the
-    manager: before it stages, never inside the staging window)."""
+    """save() and save_snapshot() start an upload only when none runs: the
+    caller skips a step rather than wait (persistent/admission.py)."""
     if not self._topology.is_primary_slice:
       raise RuntimeError("only the primary slice saves persistently")
-    if self._upload is not None:
-      raise RuntimeError("call wait_previous(step) before starting the next upload")
+    if self.busy():
+      raise RuntimeError("an upload is in flight: the caller skips this step (admission)")
 
   def _start(self, step: int, tree: Any) -> None:
     failpoints.hit("persistent.before_save", step)
     self.open()
     self._saving_step = step  # before save: the finalize callback reads it
+    self._upload_step, self._upload_started = step, time.monotonic()
     try:
       self._manager.save(step, args=orbax().args.PyTreeSave(tree))
     except Exception as e:  # Orbax re-raises the previous upload's error here too
@@ -209,7 +220,7 @@ class PersistentTier:
     failpoints.hit("persistent.after_save_call", step)
 
   def save(self, step: int, tree: Any) -> None:
-    """Starts an async save of device arrays, after wait_previous(step).
+    """Starts an async save of device arrays (none may be in flight).
 
     Called by: every process of the primary slice. Blocks on Orbax's
     device-to-host copy of the shards.
@@ -227,20 +238,33 @@ class PersistentTier:
     self._start(step, tree)
 
   def save_snapshot(
-    self, step: int, tree: Any, make_tree: Callable[[], Any], release: Callable[[], None]
-  ) -> None:
+    self,
+    step: int,
+    tree: Any,
+    make_tree: Callable[[], Any],
+    release: Callable[[], None],
+    *,
+    admit: Callable[[], bool] | None = None,
+  ) -> concurrent.futures.Future:
     """Starts a save of an immutable host snapshot (where upload_memory_kind says so).
 
     Called by: every process of the primary slice, in the same step order,
-    after wait_previous(step). Blocks on nothing; the upload's error
-    surfaces at the next wait_previous() or wait_until_finished().
+    when no upload is in flight. Blocks on nothing; the upload's error
+    surfaces in its future and at wait_until_finished().
 
     Args:
       step: the step.
       tree: the train state the snapshot was taken of (checked as save()).
       make_tree: builds arrays from the snapshot, on the upload thread.
       release: runs once Orbax no longer reads the snapshot (the upload
-        ended or failed, or this call raised).
+        ended, failed or was not admitted, or this call raised).
+      admit: run first on the upload thread (it may block): the upload
+        goes on only if it returns True (the primary slice's agreement,
+        persistent/admission.py); None admits it.
+
+    Returns:
+      The upload's future: True once the step is uploaded, False if it was
+      not admitted; its exception if the upload failed.
 
     Raises:
       TopologyError: as save().
@@ -252,15 +276,19 @@ class PersistentTier:
       release()
       raise
 
-    def upload() -> None:
+    def upload() -> bool:
       try:
+        if admit is not None and not admit():
+          return False
         self._start(step, make_tree())
         self._manager.wait_until_finished()
+        return True
       finally:
         release()
 
-    self._saving_step = step
+    self._upload_step, self._upload_started = step, None
     self._upload = self._uploader.submit(upload)
+    return self._upload
 
   def delete(self, step: int) -> None:
     """Deletes a step, finalization marker first. Called by: the primary process.

@@ -60,8 +60,10 @@ def local_plan(
 ) -> Plan:
   """One process's local steps to keep and delete.
 
-  Protected: the newest committed step held and every newer step; with no
-  held step committed, every step. Called by: every process (manager), gc.
+  Protected: the newest committed step held, and the newest
+  `max_to_keep` + 1 steps newer than it (their commits may be in flight;
+  older uncommitted steps go, so a state store that cannot commit never
+  fills the ramdisk). Called by: every process (manager), gc.
 
   Args:
     steps: the local steps this process holds.
@@ -82,12 +84,13 @@ def local_plan(
       protected[steps[-1]] = "newest step (no state store given: the newest restorable)"
   else:
     newest = newest_committed(steps, is_committed)
-    if newest is None:
-      protected = dict.fromkeys(steps, "no step held here is committed yet: nothing is deleted")
-    else:
-      for s in steps:
-        if s > newest:
-          protected[s] = "newer than the newest committed step held (commit may be in flight)"
+    newer = steps if newest is None else [s for s in steps if s > newest]
+    # Their commits may be in flight, but only so many: while the state
+    # store cannot commit (its bucket is sick) training goes on, and the
+    # ramdisk must not fill with steps that may never commit.
+    for s in newer[-(rules.max_to_keep or len(newer)) - 1 :]:
+      protected[s] = "not committed yet (its commit may be in flight)"
+    if newest is not None:
       protected[newest] = "newest restorable here (newest committed step held)"
   return explain(steps, rules, metrics=metrics, protected=protected)
 

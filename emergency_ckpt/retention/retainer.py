@@ -102,12 +102,13 @@ class Retainer:
       is_committed=self._state.has_commit,  # no listing per save (issue 15)
       metrics=self.metrics_of(steps),
     )
-    if len(plan.keep) > self._options.local.max_to_keep + 2:
+    pending = sorted(s for s in plan.keep if "not committed yet" in plan.reasons[s])
+    if plan.delete and len(pending) > self._options.local.max_to_keep:
       logger.warning(
-        "%s keeping %d local steps (max_to_keep=%d): their state is not committed yet;"
-        " is the persistent directory reachable?",
+        "%s local steps %s are not committed yet and older ones are deleted"
+        " (max_to_keep=%d): is the persistent directory (the state store) reachable?",
         self._topology.log_prefix(),
-        len(plan.keep),
+        pending,
         self._options.local.max_to_keep,
       )
     # Runs beside the next writes: only steps of this listing may go.

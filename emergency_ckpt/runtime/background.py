@@ -249,12 +249,14 @@ class Background:
     """
     self.lane(lane).wait_queued()
 
-  def close(self, lanes: tuple[str, ...] = ()) -> None:
+  def close(self, lanes: tuple[str, ...] = (), *, abandon: bool = False) -> None:
     """Shuts down `lanes` first, in order, then every other lane; waits for
-    queued tasks.
+    queued tasks, unless `abandon`: then queued tasks are cancelled and a
+    running one is left to its thread (nothing here blocks).
 
     Args:
       lanes: the lanes to shut down first.
+      abandon: do not wait (after wait_until_finished() gave up).
     """
     with self._lock:
       self._closed = True
@@ -262,4 +264,40 @@ class Background:
       order += [n for n in self._lanes if n not in order]
       executors = [self._lanes[n] for n in order]
     for ex in executors:
-      ex.shutdown(wait=True)
+      ex.shutdown(wait=not abandon, cancel_futures=abandon)
+
+
+def run_within(fn: Callable[[], Any], timeout_s: float | None) -> bool:
+  """Runs fn() on a daemon thread and waits at most `timeout_s` (None: as
+  long as it takes). Called by: the thread that would otherwise block in fn.
+
+  Args:
+    fn: the wait to bound.
+    timeout_s: the longest wait, or None.
+
+  Returns:
+    True once fn() returned; False if it still runs after `timeout_s` (it
+    goes on in the background).
+
+  Raises:
+    Whatever fn() raised, when it ended in time.
+  """
+  if timeout_s is None:
+    fn()
+    return True
+  box: list[BaseException] = []
+
+  def run() -> None:
+    try:
+      fn()
+    except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+      box.append(e)
+
+  thread = threading.Thread(target=run, name="ec-bounded-wait", daemon=True)
+  thread.start()
+  thread.join(timeout_s)
+  if thread.is_alive():
+    return False
+  if box:
+    raise box[0]
+  return True

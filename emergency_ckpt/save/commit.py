@@ -53,6 +53,21 @@ class ShardSums:
   """Lets the snapshot's buffer go (a hold() taken in save())."""
   paths: list[str]
   abstract: list[Any]
+  resolved: dict | None = None
+  """The CRC32Cs once resolve() took them from the local write's manifest."""
+
+  def resolve(self, local: LocalWriter) -> None:
+    """Takes the CRC32Cs from `local`'s manifest of the step now (cheap: the
+    write summed them) and lets go of the snapshot; crcs() then returns
+    them. If the manifest cannot be read, nothing changes (crcs() sums the
+    snapshot later)."""
+    try:
+      got = checksums.manifest_crcs(local.manifest(self.snapshot.step))
+    except (OSError, ValueError, KeyError, TypeError):  # gone or damaged: sum later
+      return
+    if got is not None:
+      self.resolved = got
+      self.let_go()
 
   def crcs(self, local: LocalWriter | None) -> dict:
     """This process's shard CRC32Cs; lets go of the snapshot, once.
@@ -65,6 +80,8 @@ class ShardSums:
       {leaf path: checksums}: from `local`'s manifest of the step, else
       summed from the snapshot (checksums.snapshot_crcs).
     """
+    if self.resolved is not None:
+      return self.resolved
     try:
       if local is not None:
         try:
@@ -143,6 +160,7 @@ class Commits:
       error: why it failed, or None.
     """
     t0 = self._records.started.get(step)
+    self._ctx.health.end(tier, step, error=error)
     self._ctx.events.record(
       "save_durable" if error is None else "save_failed",
       step=step,
@@ -167,7 +185,11 @@ class Commits:
     """
     topo, collectives = self._ctx.topology, self._ctx.collectives
 
+    if sums is not None and written:  # the manifest's CRCs: let go of the snapshot now,
+      sums.resolve(self._local)  # not when the state lane (a sick bucket) gets to it
+
     def write_state() -> None:
+      self._ctx.health.begin("state", step, "write")
       try:
         crcs = None if sums is None else sums.crcs(self._local if written else None)
         self._state.write(step, data_state, crcs)

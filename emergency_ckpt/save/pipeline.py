@@ -33,8 +33,9 @@ import jax
 
 from emergency_ckpt.core import shards as shards_lib
 from emergency_ckpt.core.records import check_metrics
-from emergency_ckpt.errors import PeerTransferError
+from emergency_ckpt.errors import PeerTransferError, TopologyError
 from emergency_ckpt.local import format as local_format
+from emergency_ckpt.persistent.admission import UploadAdmission
 from emergency_ckpt.persistent.upload_memory import upload_memory_kind
 from emergency_ckpt.save import policies
 from emergency_ckpt.save.commit import ShardSums
@@ -116,6 +117,9 @@ class SavePipeline:
     self._background = background
     self._redundancy = redundancy
     self._upload_snapshots, self._upload_memory_kind = upload_memory_kind(ctx.mesh.local_devices)
+    self._admission = UploadAdmission(
+      ctx, on_failed=lambda step, error: commits.durable(step, "persistent", None, error)
+    )
 
   def save(
     self,
@@ -129,9 +133,9 @@ class SavePipeline:
     """Saves `step` to the tiers whose interval it hits (both if `force`):
     stages `state` and starts the background work; records the save event.
     Called by: every process (the manager's save(), which checked the step).
-    Blocks on the copy only (and on a free staging buffer, and on the
-    primary slice at persistent steps on the previous upload: at most one
-    is in flight).
+    Blocks on the copy only (and on a free staging buffer); never on the
+    persistent tier: a persistent step that comes while the last upload
+    still runs is skipped (persistent/admission.py).
 
     Args:
       step: the step.
@@ -146,8 +150,6 @@ class SavePipeline:
     Raises:
       DataStateError: `data_state` cannot be stored as JSON.
       MetricsError: `metrics` is not a dict of finite numbers.
-      EmergencyCheckpointError: earlier background work failed (its error),
-        e.g. StorageError from the previous upload (wait_previous).
     """
     options = self._ctx.options
     decision = policies.decide_save(
@@ -161,7 +163,8 @@ class SavePipeline:
     started = time.monotonic()
     data_state = encode_data_state(data_state)
     metrics = check_metrics(metrics)
-    self._background.raise_errors()
+    # No background error is raised here: a sick tier degrades (warnings,
+    # events, health()); wait_until_finished() and close() report it.
     self._start(step, state, data_state, decision, metrics, started)
     return True
 
@@ -190,8 +193,16 @@ class SavePipeline:
       },
     )
     persistent = decision.persistent and topo.is_primary_slice
-    if persistent:  # at most one upload in flight: wait for the previous one here
-      self._persistent.wait_previous(step)
+    ticket = None
+    if persistent:  # at most one upload in flight: wait for it, or skip this step
+      if self._ctx.options.persistent.when_busy == "wait":
+        self._persistent.wait_idle(step)
+      ticket = self._admission.enter(step, busy=self._persistent.running())
+      if ticket.go is None and not self._upload_snapshots:  # Orbax copies inline: decide now
+        ticket = self._admission.decide(ticket)
+      if ticket.go is False:
+        self._admission.skipped(ticket)
+        persistent = False
     snapshot_upload = persistent and self._upload_snapshots
     reserved = None
     # A persistent step is staged even without a local write: its shard
@@ -212,18 +223,18 @@ class SavePipeline:
         abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in leaves]
         sums = ShardSums(snapshot, snapshot.hold(), paths, abstract)
       nbytes = 0
+      on_persistent = decision.persistent and (ticket is None or ticket.go is not False)
       if decision.local:
         nbytes = snapshot.layout.nbytes
         link = self._redundancy
         early = link is not None and link.active and link.overlap
         # overlap: the step goes from the snapshot beside the write
         hold = _once(snapshot.hold()) if early else None  # before the write frees it
+        self._ctx.health.begin("local", step, "write")
         try:
           write = self._local.write_async(
             snapshot,
-            on_done=lambda r: self._after_local(
-              r, data_state, sums, decision.persistent, early=early
-            ),
+            on_done=lambda r: self._after_local(r, data_state, sums, on_persistent, early=early),
           )
         except BaseException:
           if hold is not None:
@@ -239,7 +250,7 @@ class SavePipeline:
             write,
             data_state,
             sums,
-            decision.persistent,
+            on_persistent,
           )
       else:
         if snapshot is not None:
@@ -253,9 +264,21 @@ class SavePipeline:
           arrays = snapshot.arrays(abstract, self._upload_memory_kind)
           return jax.tree_util.tree_unflatten(treedef, arrays)
 
-        self._persistent.save_snapshot(step, state, snapshot_tree, release)
+        upload = self._persistent.save_snapshot(
+          step, state, snapshot_tree, release, admit=lambda: self._admission.admit(ticket)
+        )
+        upload.add_done_callback(lambda f: self._admission.uploaded(step, f))
       elif persistent:
-        self._persistent.save(step, state)
+        self._ctx.health.begin("persistent", step, "upload")
+        upload = concurrent.futures.Future()
+        try:  # Orbax copies inline, then uploads in its own background
+          self._persistent.save(step, state)
+          upload.set_result(True)
+        except TopologyError:  # the caller's state is wrong: say so now
+          raise
+        except Exception as e:  # noqa: BLE001 - a sick tier never stops training
+          upload.set_exception(e)
+        self._admission.uploaded(step, upload)
     self._ctx.events.record(
       "save",
       step=step,

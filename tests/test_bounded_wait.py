@@ -1,0 +1,71 @@
+"""wait_until_finished() is bounded and says what it waited for: a
+persistent upload that a hung bucket holds (one process, gs:// on
+fake-gcs-server behind the fault-injecting proxy holding the upload); with
+persistent.when_busy="skip", save() never waits for it."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import emergency_ckpt as ec
+
+TENSORSTORE = "tensorstore/"
+
+
+def _state(mesh, step: int) -> dict:
+  return {"w": jax.device_put(np.full((8, 4), step, np.float32), NamedSharding(mesh, P("data")))}
+
+
+def test_wait_and_close_give_up_in_time_naming_the_pending_upload(
+  gcs_server, gcs_proxy, gcs_bucket, shm_dir, mesh, monkeypatch
+):
+  for key, value in gcs_proxy.env.items():
+    monkeypatch.setenv(key, value)
+  hold = gcs_proxy.hold(method="POST", path=["/upload/", "tensors/2/"], client=TENSORSTORE)
+  safety = threading.Timer(120, hold.release)  # a hang fails the test, not the suite
+  safety.start()
+  options = ec.CheckpointManagerOptions(
+    local=ec.LocalTierOptions(directory=os.path.join(shm_dir, "local"), save_interval_steps=1),
+    persistent=ec.PersistentTierOptions(
+      directory=f"{gcs_bucket}/run", save_interval_steps=2, when_busy="skip"
+    ),
+    run_id="bounded",
+  )
+  mngr = ec.CheckpointManager(options, mesh=mesh)
+  try:
+    mngr.save(1, _state(mesh, 1))
+    t0 = time.monotonic()
+    mngr.save(2, _state(mesh, 2))  # persistent: its upload is held
+    mngr.save(3, _state(mesh, 3))
+    mngr.save(4, _state(mesh, 4))  # persistent again, while 2 is held: skipped
+    saves_s = time.monotonic() - t0
+    hold.wait_held(1, timeout=60)
+    assert saves_s < 5, f"save() waited for the bucket: {saves_s:.1f}s"
+    health = mngr.health()
+    assert health["persistent"].skipped_steps == (4,), health
+    assert health["persistent"].in_flight == ("upload of step 2",), health
+
+    t0 = time.monotonic()
+    with pytest.raises(ec.PendingWorkTimeoutError) as e:
+      mngr.wait_until_finished(timeout_s=1.5)
+    waited = time.monotonic() - t0
+    assert 1.5 <= waited < 6, waited
+    text = str(e.value)
+    assert "upload of step 2" in text and "never reached the persistent tier: [2, 4]" in text, text
+    assert isinstance(e.value, TimeoutError)
+
+    hold.release()  # the bucket answers again: the upload ends, close() waits for it
+    mngr.close()
+    assert mngr.health()["persistent"].newest_durable_step == 2
+  finally:
+    hold.release()
+    safety.cancel()
+    mngr.close()  # a second close does nothing
