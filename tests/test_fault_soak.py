@@ -24,10 +24,6 @@ from tests.soak import Config, run_soak
 ROUNDS = 4
 SEED_ENV, ROUNDS_ENV = "EC_SOAK_SEED", "EC_SOAK_ROUNDS"
 
-KNOWN: dict[str, str] = {}
-"""Kinds of problems a reported, still-open finding explains (none open now;
-"orphans" and "torn" were fixed in the local tier's start-up and retention)."""
-
 
 class KnownFinding(AssertionError):
   """Every problem of the soak is of a kind a reported finding explains."""
@@ -69,9 +65,4 @@ def test_fault_soak(config, seed, known, shm_dir, request):
   kinds = {k for f in summary["failures"] for k in f["kinds"]}
   if kinds <= set(known):
     raise KnownFinding(f"only known findings ({sorted(kinds)}):\n{report}")
-  if kinds <= set(KNOWN):
-    # Reported findings, met where the seed does not always meet them: which
-    # file a damage lands on depends on what the killed job left (timing),
-    # and another EC_SOAK_SEED draws other faults.
-    pytest.xfail("; ".join(KNOWN[k] for k in sorted(kinds)) + f":\n{report}")
   raise AssertionError(f"soak failed ({sorted(kinds)}), seed {seed}:\n{report}")

@@ -35,7 +35,7 @@ from emergency_ckpt.core import shards as shards_lib
 from emergency_ckpt.core.records import check_metrics
 from emergency_ckpt.errors import PeerTransferError, TopologyError
 from emergency_ckpt.local import format as local_format
-from emergency_ckpt.persistent.admission import UploadAdmission
+from emergency_ckpt.persistent.admission import Ticket, UploadAdmission
 from emergency_ckpt.persistent.upload_memory import upload_memory_kind
 from emergency_ckpt.save import policies
 from emergency_ckpt.save.commit import ShardSums
@@ -196,8 +196,11 @@ class SavePipeline:
     ticket = None
     if persistent:  # at most one upload in flight: wait for it, or skip this step
       if self._ctx.options.persistent.when_busy == "wait":
+        # every process of the slice waited: nobody is busy, nothing to agree on
         self._persistent.wait_idle(step)
-      ticket = self._admission.enter(step, busy=self._persistent.running())
+        ticket = Ticket(step, True)
+      else:
+        ticket = self._admission.enter(step, busy=self._persistent.running())
       if ticket.go is None and not self._upload_snapshots:  # Orbax copies inline: decide now
         ticket = self._admission.decide(ticket)
       if ticket.go is False:
