@@ -31,7 +31,7 @@ import emergency_ckpt as ec
 from emergency_ckpt.cluster import collectives as collectives_lib
 from emergency_ckpt.cluster import rendezvous as rendezvous_lib
 from emergency_ckpt.cluster import topology as topology_lib
-from emergency_ckpt.demo.launcher import job_output_dir, read_pid
+from emergency_ckpt.demo.job_process import job_output_dir, read_pid
 from tests import scenarios as sc
 from tests.helpers import barrier
 
@@ -583,12 +583,12 @@ def damage_variants(args: dict) -> list[dict]:
 def sibling_alive_after(args: dict) -> bool | None:
   """Process 0 sleeps args['sleep_s'] seconds, then says whether process 1
   (which returned at once) is still alive; process 1 returns None."""
-  from emergency_ckpt.demo import launcher  # noqa: PLC0415
+  from emergency_ckpt.demo import job_process  # noqa: PLC0415
 
   if me() != 0:
     return None
   time.sleep(args["sleep_s"])
-  return not launcher.process_gone(launcher.read_pid(launcher.job_output_dir(), 1))
+  return not job_process.process_gone(job_process.read_pid(job_process.job_output_dir(), 1))
 
 
 def sleep_then_return(args: dict) -> int:

@@ -16,7 +16,7 @@ from typing import Any
 import jax
 
 import emergency_ckpt as ec
-from emergency_ckpt.demo import launcher
+from emergency_ckpt.demo import job_process
 from emergency_ckpt.state.store import StateStore
 from tests import scenarios as sc
 from tests.harness.gcs_proxy import ProxyClient
@@ -135,8 +135,8 @@ def kill_mid_upload(args: dict) -> None:
   if me == 0:
     # Process 0 hosts the coordination service: a client that loses it
     # aborts (SIGABRT) before it reaches its own kill, so it goes last.
-    launcher.wait_for_siblings(
-      launcher.job_output_dir(), me, jax.process_count(), 30, until_gone=True
+    job_process.wait_for_siblings(
+      job_process.job_output_dir(), me, jax.process_count(), 30, until_gone=True
     )
   os.kill(os.getpid(), signal.SIGKILL)
 

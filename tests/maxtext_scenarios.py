@@ -95,7 +95,7 @@ def train(args: dict) -> dict:
   from maxtext.common import checkpointing, emergency_checkpointing  # noqa: PLC0415
   from maxtext.trainers.pre_train import train as maxtext_train  # noqa: PLC0415
 
-  from emergency_ckpt.demo.launcher import job_output_dir  # noqa: PLC0415
+  from emergency_ckpt.demo.job_process import job_output_dir  # noqa: PLC0415
   from emergency_ckpt.integrations import maxtext as integration  # noqa: PLC0415
 
   process = jax.process_index()

@@ -359,23 +359,23 @@ def test_launcher_sees_dead_and_zombie_siblings(tmp_path):
   import subprocess  # noqa: PLC0415
   import time  # noqa: PLC0415
 
-  from emergency_ckpt.demo import launcher  # noqa: PLC0415
+  from emergency_ckpt.demo import job_process  # noqa: PLC0415
 
   child = subprocess.Popen(["true"])
   deadline = time.monotonic() + 10
-  while not launcher.process_gone(child.pid):  # a zombie until reaped
+  while not job_process.process_gone(child.pid):  # a zombie until reaped
     assert time.monotonic() < deadline
     time.sleep(0.01)
   (tmp_path / "pid_1").write_text(str(child.pid))
   (tmp_path / "pid_2").write_text(str(os.getpid()))  # alive
   (tmp_path / "result_3.json").write_text("{}")  # finished
   t0 = time.monotonic()
-  left = launcher.wait_for_siblings(str(tmp_path), 0, 4, timeout_s=0.5)
+  left = job_process.wait_for_siblings(str(tmp_path), 0, 4, timeout_s=0.5)
   assert left == [2] and time.monotonic() - t0 >= 0.5
   # Process 0 leaves last: a sibling that wrote its result but still runs
   # would abort once the coordination service it hosts is gone.
   (tmp_path / "pid_3").write_text(str(os.getpid()))
-  left = launcher.wait_for_siblings(str(tmp_path), 0, 4, timeout_s=0.2, until_gone=True)
+  left = job_process.wait_for_siblings(str(tmp_path), 0, 4, timeout_s=0.2, until_gone=True)
   assert left == [2, 3]
   child.wait()
-  assert launcher.process_gone(child.pid)  # reaped
+  assert job_process.process_gone(child.pid)  # reaped

@@ -61,7 +61,8 @@ from orbax.checkpoint.experimental.emergency import checkpoint_manager as orbax_
 
 import emergency_ckpt as ec  # noqa: E402
 from emergency_ckpt.core.telemetry import read_events  # noqa: E402
-from emergency_ckpt.demo.launcher import read_pid, run_job  # noqa: E402
+from emergency_ckpt.demo.job_process import read_pid  # noqa: E402
+from emergency_ckpt.demo.launcher import run_job  # noqa: E402
 from emergency_ckpt.integrations import orbax_emergency as facade  # noqa: E402
 from emergency_ckpt.integrations.replica_axis import find_replica_axis  # noqa: E402
 from tests.maxtext_scenarios import maxtext_argv, read_jsonl  # noqa: E402

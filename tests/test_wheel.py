@@ -25,6 +25,7 @@ SHIPPED = (
   "emergency_ckpt/__init__.py",
   "emergency_ckpt/cli/__init__.py",
   "emergency_ckpt/demo/launcher.py",
+  "emergency_ckpt/demo/job_process.py",
   "emergency_ckpt/demo/main.py",
   "emergency_ckpt/demo/trainer.py",
   "emergency_ckpt/demo/cpu_demo.yaml",

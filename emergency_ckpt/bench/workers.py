@@ -24,7 +24,7 @@ from emergency_ckpt.bench import adapters
 from emergency_ckpt.bench import measure as m
 from emergency_ckpt.bench import state as st
 from emergency_ckpt.bench.sync import barrier
-from emergency_ckpt.demo import launcher
+from emergency_ckpt.demo import job_process
 
 SPAWN_ENV = "EC_BENCH_SPAWN_T"
 VARIANTS = ("intact", "lose_slice", "persistent_cold")
@@ -67,7 +67,7 @@ def _finish(result: dict) -> dict:
   also waits for the others' result files: when it exits, the coordination
   service goes away and aborts any process still alive (SIGABRT)."""
   barrier("finish")
-  out_dir = launcher.job_output_dir() if launcher.in_job() else None
+  out_dir = job_process.job_output_dir() if job_process.in_job() else None
   if jax.process_index() == 0 and out_dir:
     deadline = time.monotonic() + 60
     others = [os.path.join(out_dir, f"result_{i}.json") for i in range(1, jax.process_count())]

@@ -43,6 +43,7 @@ from emergency_ckpt.errors import CollectiveTimeoutError
 from emergency_ckpt.options import PersistentTierOptions
 from emergency_ckpt.persistent import orbax_manager
 from emergency_ckpt.persistent import read as persistent_read
+from emergency_ckpt.persistent.in_flight import UploadInFlight
 from emergency_ckpt.persistent.layout import cleanup_unfinalized, delete_step, list_steps
 from emergency_ckpt.persistent.orbax_loader import orbax
 from emergency_ckpt.state.shard_records import Expected
@@ -57,7 +58,7 @@ def _check_replicated(tree: Any, replica_axis: str) -> None:
   compat.check_replicated(paths, leaves, replica_axis)
 
 
-class PersistentTier:
+class PersistentTier(UploadInFlight):
   """Orbax on the persistent directory's tensors/ folder.
 
   Args:
@@ -146,59 +147,6 @@ class PersistentTier:
       The steps.
     """
     return list_steps(self.directory)
-
-  def busy(self) -> bool:
-    """Whether this process's previous upload is still running.
-
-    Returns:
-      True while it runs.
-    """
-    if self._upload is not None and not self._upload.done():
-      return True
-    return self._manager is not None and self._manager.is_saving_in_progress()
-
-  def running(self) -> str | None:
-    """What this process's upload in flight is, for a skip's message: e.g.
-    "Orbax's upload of step 12 to gs://b/run/tensors, running for 8.1s";
-    None when none runs."""
-    if not self.busy():
-      return None
-    step, started = self._upload_step, self._upload_started
-    if started is None:
-      return f"the upload of step {step}, waiting for the primary slice to agree on it"
-    return (
-      f"Orbax's upload of step {step} to {self.directory}, running for"
-      f" {time.monotonic() - started:.1f}s"
-    )
-
-  def wait_idle(self, step: int) -> None:
-    """Waits for the upload in flight (persistent.when_busy="wait"), with a
-    warning saying how long; its error is the upload's own, recorded when
-    it ended (wait_until_finished() raises it).
-
-    Args:
-      step: the step about to be saved (named in the warning).
-    """
-    if not self.busy():
-      return
-    t0, previous = time.monotonic(), self._upload_step
-    if self._upload is not None:
-      concurrent.futures.wait([self._upload])
-    if self._manager is not None:
-      try:
-        self._manager.wait_until_finished()
-      except Exception as e:  # noqa: BLE001 - recorded as the upload's failure
-        logger.debug("%s upload of step %s failed: %s", self._topology.log_prefix(), previous, e)
-    logger.warning(
-      "%s persistent save of step %d waited %.1fs for the upload of step %s (at most one"
-      " upload is in flight): the bucket is slower than persistent.save_interval_steps"
-      " allows; raise the interval, check the bucket, or set persistent.when_busy='skip'"
-      " so that training never waits for it.",
-      self._topology.log_prefix(),
-      step,
-      time.monotonic() - t0,
-      previous,
-    )
 
   def _check_ready(self) -> None:
     """save() and save_snapshot() start an upload only when none runs: the
@@ -396,14 +344,6 @@ class PersistentTier:
         " every process of the primary slice answered afterwards, so one was only slow:"
         " raise collective_timeout_s."
       ) from e
-
-  def in_flight(self) -> concurrent.futures.Future | None:
-    """The background upload started last.
-
-    Returns:
-      Its future (done or not), or None.
-    """
-    return self._upload
 
   def close(self, *, abandon: bool = False) -> None:
     """Waits for the upload in flight, then closes Orbax.

@@ -33,12 +33,12 @@ import jax
 
 from emergency_ckpt.core import shards as shards_lib
 from emergency_ckpt.core.records import check_metrics
-from emergency_ckpt.errors import PeerTransferError, TopologyError
-from emergency_ckpt.local import format as local_format
+from emergency_ckpt.errors import TopologyError
 from emergency_ckpt.persistent.admission import Ticket, UploadAdmission
 from emergency_ckpt.persistent.upload_memory import upload_memory_kind
 from emergency_ckpt.save import policies
 from emergency_ckpt.save.commit import ShardSums
+from emergency_ckpt.save.protection import Protection
 from emergency_ckpt.state.data_state import encode_data_state
 
 if TYPE_CHECKING:
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
   from emergency_ckpt.core.records import StepRecords
   from emergency_ckpt.local.tier import WriteResult
   from emergency_ckpt.runtime.background import Background
-  from emergency_ckpt.runtime.staging import HostSnapshot, StagingArea
+  from emergency_ckpt.runtime.staging import StagingArea
   from emergency_ckpt.save.commit import Commits
   from emergency_ckpt.save.tiers import LocalWriter, RedundancyLink
 
@@ -116,6 +116,7 @@ class SavePipeline:
     self._records = records
     self._background = background
     self._redundancy = redundancy
+    self._protection = Protection(ctx, commits=commits, local=local, redundancy=redundancy)
     self._upload_snapshots, self._upload_memory_kind = upload_memory_kind(ctx.mesh.local_devices)
     self._admission = UploadAdmission(
       ctx, on_failed=lambda step, error: commits.durable(step, "persistent", None, error)
@@ -247,7 +248,7 @@ class SavePipeline:
         if early:
           self._background.submit(
             "redundancy",
-            self._protect_early,
+            self._protection.protect_early,
             snapshot,
             hold,
             write,
@@ -300,7 +301,7 @@ class SavePipeline:
     *,
     early: bool = False,
   ) -> None:
-    """`early`: the redundancy lane already sends the step (_protect_early)
+    """`early`: the redundancy lane already sends the step (Protection.protect_early)
     and queues its state."""
     self._commits.durable(result.step, "local", result.nbytes, result.error)
     link = self._redundancy
@@ -314,98 +315,9 @@ class SavePipeline:
       # The partner's copy first, then the state file: the step commits
       # once its partner holds it.
       self._background.submit(
-        "redundancy", self._protect, result.step, data_state, sums, persistent
+        "redundancy", self._protection.protect, result.step, data_state, sums, persistent
       )
     else:
       self._commits.queue_state(result.step, data_state, sums, written=result.ok)
     if result.ok:
       self._commits.retainer.after_local_write(result.step)
-
-  def _protect(
-    self, step: int, data_state: dict | None, sums: ShardSums | None, persistent: bool
-  ) -> None:
-    """On the redundancy lane: sends the written step to the partner or
-    the XOR group, then _protected."""
-    nbytes, error = None, None
-    try:
-      nbytes, _ = self._redundancy.send(self._local.step_dir(step))
-    except (OSError, PeerTransferError) as e:
-      error = e
-    self._protected(step, nbytes, error, data_state, sums, persistent)
-
-  def _protect_early(
-    self,
-    snapshot: HostSnapshot,
-    hold: Callable[[], None],
-    write: concurrent.futures.Future,
-    data_state: dict | None,
-    sums: ShardSums | None,
-    persistent: bool,
-  ) -> None:
-    """On the redundancy lane, beside the local write `write` of `snapshot`
-    (held by `hold` until its bytes are sent): sends the partner copy or
-    the XOR chunks from the snapshot, each followed by the manifest once
-    the write is done; then, as after a write (_after_local), the state
-    file: not if the write raised, unprotected if it failed, else
-    _protected."""
-    step = snapshot.step
-
-    def manifest() -> bytes:  # the senders' trailer: waits for the write
-      result = write.result()
-      if not result.ok:
-        raise OSError(f"the local write failed: {result.error}")
-      return local_format.raw_manifest(self._local.step_dir(step))
-
-    nbytes, error = None, None
-    try:
-      snapshot.wait_filled()
-      snapshot.wait_others_staged()
-      data = snapshot.buffer[: snapshot.layout.nbytes]
-      spans = [(s.offset, s.nbytes) for leaf in snapshot.layout.leaves for s in leaf.slots]
-      nbytes, _ = self._redundancy.send_snapshot(step, data, spans, manifest, hold)
-    except (OSError, PeerTransferError) as e:
-      error = e
-    finally:
-      hold()
-    try:
-      result = write.result()
-    except Exception:  # noqa: BLE001 - raised (and reported) by the write's own future
-      return
-    if not result.ok:  # as _after_local: the state still says the save ended
-      self._commits.queue_state(step, data_state, sums)
-      return
-    self._protected(step, nbytes, error, data_state, sums, persistent)
-
-  def _protected(
-    self,
-    step: int,
-    nbytes: int | None,
-    error: Exception | None,
-    data_state: dict | None,
-    sums: ShardSums | None,
-    persistent: bool,
-  ) -> None:
-    """After the redundancy send of a written step: queues the state file;
-    if the copy or parity was not stored (`error`) and redundancy is
-    required, the state is never written, so the step never commits,
-    unless it is a persistent step (the persistent tier holds it: it
-    commits, its local copy unprotected)."""
-    options = self._ctx.options
-    scheme = options.local.redundancy
-    if error is not None:
-      self._commits.durable(step, scheme, None, f"{type(error).__name__}: {error}")
-      if options.local.redundancy_required and not persistent:
-        logger.error(
-          "%s step %d will not commit: its %s copy was not stored (%s);"
-          " local.redundancy_required=False lets steps commit without it",
-          self._ctx.topology.log_prefix(),
-          step,
-          scheme,
-          error,
-        )
-        if sums is not None:
-          sums.let_go()
-        return
-    else:
-      self._commits.durable(step, scheme, nbytes)
-    self._commits.queue_state(step, data_state, sums, written=True)

@@ -29,7 +29,7 @@ from typing import Any
 import jax
 
 import emergency_ckpt as ec
-from emergency_ckpt.demo.launcher import job_output_dir
+from emergency_ckpt.demo.job_process import job_output_dir
 from tests import scenarios as sc
 from tests.helpers import barrier
 from tests.soak.files import PROGRESS, QUIET, RESTORED, TRAIN_ERROR, host_listing

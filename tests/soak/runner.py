@@ -47,7 +47,7 @@ import threading
 import time
 from typing import Any
 
-from emergency_ckpt.demo import launcher
+from emergency_ckpt.demo import job_process, launcher
 from tests.soak import files
 from tests.soak.files import PROGRESS, QUIET, RESTORED, TRAIN_ERROR
 
@@ -178,11 +178,11 @@ class Monitor(threading.Thread):
     self.stop = threading.Event()
 
   def _pids(self) -> list[int | None]:
-    return [launcher.read_pid(self.out_dir, i) for i in range(self.n)]
+    return [job_process.read_pid(self.out_dir, i) for i in range(self.n)]
 
   def _gone(self) -> bool:
     pids = self._pids()
-    return all(p is not None and launcher.process_gone(p) for p in pids)
+    return all(p is not None and job_process.process_gone(p) for p in pids)
 
   def _reports(self, name: str) -> list[dict | None]:
     return [files.read_report(self.out_dir, name.format(i)) for i in range(self.n)]
@@ -199,7 +199,7 @@ class Monitor(threading.Thread):
 
   def _kill(self, pids: list[int | None], sig: int = signal.SIGKILL) -> None:
     for pid in pids:
-      if pid is not None and not launcher.process_gone(pid):
+      if pid is not None and not job_process.process_gone(pid):
         try:
           os.kill(pid, sig)
         except ProcessLookupError:
@@ -208,7 +208,7 @@ class Monitor(threading.Thread):
   def _hung(self, what: str) -> None:
     self.hang = self.did = what
     pids = self._pids()
-    self._kill(pids, launcher.STACKS_SIGNAL)  # each child writes its stacks to its log
+    self._kill(pids, job_process.STACKS_SIGNAL)  # each child writes its stacks to its log
     time.sleep(2 * launcher.STACKS_WAIT_S)
     self.kill_t = self.kill_t or time.monotonic()
     self._kill(pids)
