@@ -244,3 +244,17 @@ class PeerTransferError(EmergencyCheckpointError, ConnectionError):
   (peer.host) on hosts with several NICs, or set peer.transport:
   collective.
   """
+
+
+CALLER_ERRORS = (
+  InvalidOptionsError,
+  TopologyError,
+  StepError,
+  StateMismatchError,
+  TopologyMismatchError,
+  DataStateError,
+  MetricsError,
+)
+"""The errors that are the caller's to fix (its options, mesh, state or
+data_state), as opposed to a sick tier's (storage, peers, timeouts):
+check_for_errors() raises these and only reports the others."""

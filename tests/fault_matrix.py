@@ -39,6 +39,10 @@ FAULT_TESTS = [
   "tests/test_elastic_reshard.py",
   "tests/test_partner_redundancy.py",
   "tests/test_xor_redundancy.py",
+  "tests/test_tier_outage.py",
+  "tests/test_peer_stalls.py",
+  "tests/test_bounded_wait.py",
+  "tests/test_fault_soak.py",
 ]
 BITFLIP_TEST = "tests/test_local_tier.py::test_random_bit_flips_are_never_silent"
 
@@ -150,6 +154,55 @@ SCENARIOS: list[Scenario] = [
     "restore() on process 0 raises CollectiveTimeoutError naming process 1 within"
     " collective_timeout_s",
   ),
+  # ---- a sick tier: training goes on ----
+  *[
+    _s(
+      f"sick.bucket.{kind}",
+      f"2 slices x 2 processes at 0.5 s per step, persistent every 3rd step: the bucket {how}"
+      " for 20 s (persistent.when_busy=skip)",
+      "every process trains >= 90% of its own pace during the outage and no save() waits for"
+      " the bucket; health() and `emergency-ckpt report` name the skipped steps and the"
+      " outage; a step saved after the outage reaches the bucket",
+    )
+    for kind, how in (
+      ("hang", "holds every request (no answer)"),
+      ("refuse", "resets every connection"),
+      ("503", "answers 503 to every request"),
+      ("crawl", "moves every body at 1 MB/s"),
+    )
+  ],
+  *[
+    _s(
+      f"sick.peer.{scheme}",
+      f"1 slice x 4 processes with {scheme} redundancy at 0.5 s per step: process 1"
+      " stops (SIGSTOP) for 8 s at save time",
+      "every other process trains >= 90% of its pace while it is stopped and no save()"
+      " waits for it; once it goes on, steps commit again",
+    )
+    for scheme in ("partner", "xor")
+  ],
+  _s(
+    "sick.bucket.job_end",
+    "a program ends (close(timeout_s=3)) while the bucket holds its upload of step 2",
+    "close() raises PendingWorkTimeoutError naming step 2 as never reaching the bucket;"
+    " the interpreter exits at once, without waiting for the bucket",
+  ),
+  *[
+    _s(
+      f"soak.{name}",
+      f"seeded fault soak, {what}: restarts with kills, wiped and shuffled hosts, flipped,"
+      " truncated or removed local files, a damaged newest persistent step, a sick bucket",
+      "every round restores the same step on every process, bit-exact with its data_state,"
+      " never below the newest intact persistent step; no hang, no untyped error; the"
+      " ramdisk and the bucket hold no more than retention allows",
+    )
+    for name, what in (
+      ("partner-1x4-fs", "partner redundancy, 1 slice x 4 processes"),
+      ("xor-1x4-gcs", "XOR redundancy, 1 slice x 4 processes, gs://"),
+      ("none-2x2-gcs", "no redundancy, 2 slices x 2 processes, gs://"),
+      ("partner-2x2-fs", "partner redundancy, 2 slices x 2 processes"),
+    )
+  ],
   # ---- preemption ----
   _s(
     "preempt.sigterm",

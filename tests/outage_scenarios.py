@@ -31,6 +31,8 @@ def _start_outage(ctl: ProxyClient, kind: str) -> list[int]:
     return [ctl.reset(times=None, when="request")["id"]]
   if kind == "503":
     return [ctl.fail(times=None, status=503)["id"]]
+  if kind == "crawl":  # every body, both ways, at 1 MB/s
+    return [ctl.crawl(1e6, times=None)["id"]]
   raise ValueError(f"unknown outage kind {kind!r}")
 
 
@@ -84,7 +86,7 @@ def train_through_outage(args: dict) -> dict[str, Any]:
       persistent = step % args["persistent_interval"] == 0
       time.sleep(max(0.0, args["step_s"] - (time.monotonic() - t_step)))
       steps.append({"step": step, "end": time.time(), "save_s": save_s, "persistent": persistent})
-    if sc.pid() == 0:
+    if sc.pid() == 0 and window:  # an outage started (benchmarks/outage.py runs without one)
       ended.wait(args["outage_s"] + 30)
     sc.barrier("trained")  # the bucket is back everywhere before the final wait
     t0 = time.monotonic()
@@ -92,3 +94,28 @@ def train_through_outage(args: dict) -> dict[str, Any]:
     final_wait_s = time.monotonic() - t0
     health = mngr.health().as_dict()
   return {"steps": steps, "window": window, "final_wait_s": final_wait_s, "health": health}
+
+
+def end_while_the_bucket_hangs(local_dir: str, persistent: str, timeout_s: float) -> None:
+  """A whole program, run as `python -c` by tests/test_bounded_wait.py: one
+  process saves steps 1-2 (2 persistent, its upload held by the proxy),
+  then closes with `timeout_s` and returns normally, so the interpreter's
+  own exit (which joins non-daemon threads) is part of what is timed.
+  Prints the error close() raised."""
+  from jax.sharding import Mesh  # noqa: PLC0415
+
+  mesh = Mesh(np.array(jax.devices()).reshape(1, -1), ("replica", "data"))
+  options = ec.CheckpointManagerOptions(
+    local=ec.LocalTierOptions(directory=local_dir, save_interval_steps=1),
+    persistent=ec.PersistentTierOptions(directory=persistent, save_interval_steps=2),
+    run_id="ending",
+  )
+  mngr = ec.CheckpointManager(options, mesh=mesh)
+  for step in (1, 2):
+    value = np.full((8, 4), step, np.float32)
+    mngr.save(step, {"w": jax.device_put(value, NamedSharding(mesh, P("data")))})
+  try:
+    mngr.close(timeout_s=timeout_s)
+  except ec.PendingWorkTimeoutError as e:
+    print(f"CLOSE RAISED: {e}", flush=True)
+  print("CLOSED", flush=True)

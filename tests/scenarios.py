@@ -129,6 +129,7 @@ def options(args: dict) -> ec.CheckpointManagerOptions:
       transport=args.get("peer_transport", "stream"), ports=args.get("peer_ports")
     ),
     state_commit_timeout_s=args.get("state_commit_timeout_s", 30),
+    event_log=args.get("event_log"),
     # a machine of its own per process (these jobs share one machine)
     **({"host_id": f"sim-host-{pid()}"} if args.get("sim_hosts") else {}),
   )

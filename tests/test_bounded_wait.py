@@ -6,6 +6,8 @@ persistent.when_busy="skip", save() never waits for it."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -52,6 +54,9 @@ def test_wait_and_close_give_up_in_time_naming_the_pending_upload(
     health = mngr.health()
     assert health["persistent"].skipped_steps == (4,), health
     assert health["persistent"].in_flight == ("upload of step 2",), health
+    checked = mngr.check_for_errors()  # a sick tier is reported, never raised
+    assert checked["persistent"].skipped_steps == (4,), checked
+    assert any("persistent: 1 step(s) skipped" in p for p in checked.problems()), checked
 
     t0 = time.monotonic()
     with pytest.raises(ec.PendingWorkTimeoutError) as e:
@@ -69,3 +74,43 @@ def test_wait_and_close_give_up_in_time_naming_the_pending_upload(
     hold.release()
     safety.cancel()
     mngr.close()  # a second close does nothing
+
+
+def test_a_job_ending_while_the_bucket_hangs_exits_in_bounded_time(
+  gcs_server, gcs_proxy, gcs_bucket, shm_dir, fault_matrix
+):
+  """A fresh interpreter (not a job process: the launcher's os._exit would
+  hide a thread the interpreter joins at exit) closes with a 3 s timeout
+  while its upload is held, then ends normally: it exits long before the
+  bucket would answer, saying which steps never reached the bucket."""
+  hold = gcs_proxy.hold(method="POST", path=["/upload/", "tensors/2/"], client=TENSORSTORE)
+  safety = threading.Timer(240, hold.release)  # a hang fails the test, not the suite
+  safety.start()
+  code = (
+    "from tests.outage_scenarios import end_while_the_bucket_hangs as f;"
+    f"f({os.path.join(shm_dir, 'local')!r}, {gcs_bucket + '/run'!r}, 3.0)"
+  )
+  t0 = time.monotonic()
+  try:
+    out = subprocess.run(
+      [sys.executable, "-c", code],
+      env={**os.environ, **gcs_proxy.env},
+      capture_output=True,
+      text=True,
+      timeout=200,
+    )
+  finally:
+    took = time.monotonic() - t0
+    held = hold.held_now
+    hold.release()
+    safety.cancel()
+  text = out.stdout + out.stderr[-3000:]
+  assert out.returncode == 0, text
+  assert "CLOSED" in out.stdout and "never reached the persistent tier: [2]" in out.stdout, text
+  assert held >= 1, text  # the upload was still held when the program had ended
+  fault_matrix.check(
+    "sick.bucket.job_end",
+    f"exited {took:.1f}s after it started (upload still held); close() said:"
+    f" {out.stdout.split('CLOSE RAISED: ')[-1].splitlines()[0][:200]}",
+    took < 120,
+  )

@@ -50,7 +50,7 @@ def _params():
 
 
 @pytest.mark.parametrize(("config", "seed", "known"), list(_params()))
-def test_fault_soak(config, seed, known, shm_dir, request):
+def test_fault_soak(config, seed, known, shm_dir, request, fault_matrix):
   seed = int(os.environ.get(SEED_ENV, seed))
   rounds = int(os.environ.get(ROUNDS_ENV, ROUNDS))
   gcs = None
@@ -59,7 +59,13 @@ def test_fault_soak(config, seed, known, shm_dir, request):
   summary = run_soak(config, seed, rounds, shm_dir, gcs=gcs, keep_going=True)
   assert summary["rounds"] == rounds and summary["restores"] >= 1, summary
   if summary["ok"]:
-    assert summary["lost"] == summary["regressed"] == summary["silent"] == 0, summary
+    fault_matrix.check(
+      f"soak.{config.name}",
+      f"seed {seed}, {rounds} rounds: faults {summary['faults']}; restores by source"
+      f" {summary['restores_by_source']}; lost {summary['lost']}, regressed {summary['regressed']},"
+      f" silent {summary['silent']}",
+      summary["lost"] == summary["regressed"] == summary["silent"] == 0,
+    )
     return
   report = "\n\n".join(f["text"] for f in summary["failures"])
   kinds = {k for f in summary["failures"] for k in f["kinds"]}

@@ -95,3 +95,29 @@ def test_concurrent_updates_lose_nothing():
     t.join()
   h = tr.snapshot()["local"]
   assert h.skipped_total == 2000 and h.in_flight == () and h.newest_durable_step == 3499
+
+
+def test_report_logs_problems_once_per_change(caplog):
+  tr = HealthTracker(["persistent"])
+  with caplog.at_level("WARNING", logger="emergency_ckpt"):
+    assert tr.report("[p0]").ok
+    tr.skip("persistent", 6)
+    tr.report("[p0]")
+    tr.report("[p0]")  # the same problems: no second warning
+    tr.skip("persistent", 9)
+    h = tr.report("[p0]")
+  warnings = [r.getMessage() for r in caplog.records]
+  assert len(warnings) == 2, warnings
+  assert "[p0] checkpointing is degraded" in warnings[0] and "newest [6]" in warnings[0]
+  assert "newest [6, 9]" in warnings[1]
+  assert h["persistent"].skipped_total == 2
+
+
+def test_a_tier_that_went_down_is_a_failure_counted_once_until_it_works():
+  tr = HealthTracker(["partner"])
+  tr.down("partner", "the partner receiver stopped: EMFILE")
+  tr.down("partner", "the partner receiver stopped: EMFILE")  # asked again: the same failure
+  p = tr.snapshot()["partner"]
+  assert (p.consecutive_failures, p.ok) == (1, False) and "EMFILE" in p.last_error
+  tr.end("partner", 7)
+  assert tr.snapshot()["partner"].ok

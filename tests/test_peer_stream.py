@@ -14,7 +14,7 @@ import pytest
 from emergency_ckpt.core import shards as shards_lib
 from emergency_ckpt.errors import CorruptCheckpointError, PeerTransferError
 from emergency_ckpt.local.format import LocalStep, shard_checksum
-from emergency_ckpt.transport import protocol, routing
+from emergency_ckpt.transport import handshake, protocol, routing
 from emergency_ckpt.transport import stream as peer_stream
 
 
@@ -139,11 +139,23 @@ def test_a_client_without_the_token_gets_nothing(served):
     peer_stream.pull(offer, 0, 7, items, paths, np.zeros(nbytes, np.uint8), timeout_s=10)
   with socket.create_connection((server.host, server.port), timeout=5) as raw:
     raw.sendall(b"GET / HTTP/1.0\r\n\r\n" + b"x" * 64)
+    got = _until_closed(raw)
+    # nothing served: the listener's challenge (its magic and a fresh nonce) only
+    assert got[: len(protocol.MAGIC)] == protocol.MAGIC
+    assert len(got) == len(protocol.MAGIC) + handshake.NONCE_BYTES
+
+
+def _until_closed(raw: socket.socket) -> bytes:
+  """Every byte a listener sends before it closes the connection."""
+  got = b""
+  while True:
     try:
-      got = raw.recv(1 << 16)
+      more = raw.recv(1 << 16)
     except ConnectionResetError:  # closed with our bytes unread
-      got = b""
-    assert got == b""  # nothing served
+      return got
+    if not more:
+      return got
+    got += more
 
 
 def test_a_request_for_another_step_is_refused(served):
@@ -224,14 +236,9 @@ def test_peer_host_unresolvable_coordinator_is_none(coordinator, caplog):
 
 def test_a_malformed_request_is_refused_without_killing_the_server(served):
   server, paths, arrays = served
-  with socket.create_connection((server.host, server.port), timeout=5) as raw:
-    raw.sendall(protocol.MAGIC + bytes.fromhex(server.offer()["token"]))
-    protocol.send_json(raw, {"step": 7, "shards": [[0]]})  # not [leaf, path, index]
-    try:
-      got = raw.recv(1 << 16)
-    except ConnectionResetError:
-      got = b""
-    assert got == b""
+  with protocol.connect(server.offer(), timeout_s=5, step=7) as conn:
+    conn.send_json({"step": 7, "shards": [[0]]})  # not [leaf, path, index]
+    assert _until_closed(conn.sock) == b""  # no reply: dropped
   items, nbytes = _items(arrays)  # the server still serves a good request
   peer_stream.pull(server.offer(), 0, 7, items, paths, np.zeros(nbytes, np.uint8), timeout_s=10)
 

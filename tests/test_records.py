@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import threading
 
@@ -101,7 +102,7 @@ def test_waiting_on_a_lane_waits_for_its_last_task_without_a_task_of_its_own():
   bg = Background()
   lane = bg.lane("idle")
   lane.wait_queued()
-  assert not lane._threads  # noqa: SLF001 - no thread started for nothing
+  assert lane._thread is None  # noqa: SLF001 - no thread started for nothing
 
   busy = bg.lane("busy")
   gate, seen = threading.Event(), []
@@ -118,4 +119,24 @@ def test_waiting_on_a_lane_waits_for_its_last_task_without_a_task_of_its_own():
 
   busy.submit(lambda: 1 / 0)
   busy.wait_queued()  # the failure is its submitter's to raise
+  bg.close()
+
+
+def test_background_raises_only_the_kinds_asked_for_and_keeps_the_rest():
+  from emergency_ckpt.errors import CALLER_ERRORS, StateMismatchError, StorageError  # noqa: PLC0415
+
+  bg = Background("[test]")
+
+  def fail(e):
+    raise e
+
+  sick = bg.submit("a", fail, StorageError("bucket hung"))
+  wrong = bg.submit("a", fail, StateMismatchError("leaf w changed shape"))
+  concurrent.futures.wait([sick, wrong])
+  bg.raise_errors(only=(KeyError,))  # none of that kind: nothing raised
+  with pytest.raises(StateMismatchError):
+    bg.raise_errors(only=CALLER_ERRORS)
+  bg.raise_errors(only=CALLER_ERRORS)  # raised once
+  with pytest.raises(StorageError):  # the sick tier's error stays for wait_until_finished()
+    bg.raise_errors()
   bg.close()

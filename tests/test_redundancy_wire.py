@@ -398,7 +398,7 @@ def test_a_torn_chunk_leaves_no_block_and_the_step_can_be_sent_again(tmp_path):
     with pytest.raises(OSError):
       from emergency_ckpt.transport import protocol  # noqa: PLC0415
 
-      protocol.send_file(receivers[0].offer(), header, short, 0, 2 * MIB, timeout_s=30)
+      protocol.send_file(receivers[0].offer(), header, short, 0, 2 * MIB, timeout_s=30, sender=1)
     root = local_blocks.xor_dir(str(tmp_path / "host_0" / "process_0"))
     _wait_for(  # made for the chunk, then removed with it
       lambda: os.path.isdir(root) and not os.listdir(root) and not receivers[0]._pending,  # noqa: SLF001

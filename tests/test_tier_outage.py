@@ -3,7 +3,8 @@ fake-gcs-server behind the fault-injecting proxy).
 
 The job trains at 0.5 s per step, saving locally every step and to the
 bucket every 3rd step; in the middle of the run the bucket hangs (requests
-held, no answer), refuses (every connection reset) or answers 503, for 20 s.
+held, no answer), refuses (every connection reset), answers 503 or crawls
+(every body both ways at 1 MB/s), for 20 s.
 What must hold, per process:
 - the steps trained during the outage are at least 90% of the same job's
   pace before it (a skipped persistent step costs nothing; a save() waiting
@@ -11,16 +12,24 @@ What must hold, per process:
 - (reported, not asserted: the worst save() against the worst local-only
   save() of the run, both printed per process; on 2 shared cores both are
   set by the backlog the returning bucket flushes);
-- afterwards the persistent tier holds a step saved after the outage, and
-  every process's health() names the steps it skipped.
+- no save() waited for the bucket: the worst is far below the outage
+  (the 1.5x-of-local-only figure is the benchmark's: benchmarks/outage.py);
+- afterwards the persistent tier holds a step saved after the outage,
+  every process's health() names the steps it skipped, and `emergency-ckpt
+  report` on the job's event logs shows the outage: when, how long, the
+  steps skipped and the step that caught up.
 """
 
 from __future__ import annotations
 
+import glob
+import os
 import statistics
 
 import pytest
 
+from emergency_ckpt.cli.report import summarize_events
+from emergency_ckpt.core.telemetry import read_events
 from emergency_ckpt.demo.launcher import run_job
 from tests.harness.gcs_server import list_objects
 
@@ -38,9 +47,9 @@ def _committed_persistent(server, bucket: str) -> list[int]:
   return sorted(tensors & state)
 
 
-@pytest.mark.parametrize("kind", ["hang", "refuse", "503"])
+@pytest.mark.parametrize("kind", ["hang", "refuse", "503", "crawl"])
 def test_training_keeps_its_pace_while_the_bucket_is_sick(
-  kind, gcs_server, gcs_proxy, gcs_bucket, shm_dir
+  kind, gcs_server, gcs_proxy, gcs_bucket, shm_dir, tmp_path, fault_matrix
 ):
   args = {
     "slices": 2,
@@ -57,6 +66,7 @@ def test_training_keeps_its_pace_while_the_bucket_is_sick(
     "outage_s": OUTAGE_S,
     "big_mib": 8,
     "persistent_when_busy": "skip",
+    "event_log": str(tmp_path / "events_{process}.jsonl"),
     "collective_timeout_s": 60,
     "state_commit_timeout_s": 60,
   }
@@ -70,7 +80,7 @@ def test_training_keeps_its_pace_while_the_bucket_is_sick(
   results = job.check()
   window = results[0]["window"]
   start, end = window["start"], window["end"]
-  report = []
+  report, paces, worst_saves = [], [], []
   for p, r in enumerate(results):
     steps = r["steps"]
     before = [s for s in steps if s["step"] < OUTAGE_AT and s["step"] > 2]
@@ -89,10 +99,30 @@ def test_training_keeps_its_pace_while_the_bucket_is_sick(
       f" {r['final_wait_s']:.1f}s;"
       f" persistent health {r['health'].get('persistent')}"
     )
+    paces.append(during / (pace * (end - start)))
+    worst_saves.append(worst)
     assert during >= 0.9 * pace * (end - start), "\n".join(report)
+    assert worst < OUTAGE_S / 4, "\n".join(report)  # no save() waited for the bucket
   committed = _committed_persistent(gcs_server, gcs_bucket)
   last_outage_step = max(s["step"] for s in results[0]["steps"] if s["end"] < end)
   assert any(step > last_outage_step for step in committed), (committed, report)
   for r in results[:2]:  # the primary slice's processes: the skipped steps, named
     assert r["health"]["persistent"]["skipped_total"] > 0, report
+  summary = summarize_events(read_events(sorted(glob.glob(os.path.join(tmp_path, "events_*")))))
+  outages = [o for o in summary["outages"] if o["tier"] == "persistent"]
+  report.append(f"report's outages: {outages}")
+  assert outages, report
+  first = outages[0]
+  window_s = (start - summary["wall_start"], end - summary["wall_start"])
+  assert first["skipped"] > 0 and first["caught_up_step"] is not None, report
+  assert window_s[0] - 10 <= first["began_s"] <= window_s[1], report  # it began with the outage
+  if kind != "crawl":  # a crawling bucket still takes a step now and then
+    assert first["ended_s"] >= window_s[1] - 1, report  # it ended once the bucket was back
+  fault_matrix.check(
+    f"sick.bucket.{kind}",
+    f"{min(paces):.0%}-{max(paces):.0%} of the pace during the outage; worst save()"
+    f" {max(worst_saves) * 1e3:.0f} ms; {first['skipped']} persistent steps skipped, caught up"
+    f" at step {first['caught_up_step']}; step {max(committed)} in the bucket",
+    True,  # every promise was asserted above
+  )
   print("\n".join(report))

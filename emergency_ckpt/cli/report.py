@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 from emergency_ckpt.cli._output import Style, grid, secs
+from emergency_ckpt.cli.outages import find_outages
 from emergency_ckpt.cli.timeline import draw_timeline
 from emergency_ckpt.core import telemetry
 
@@ -32,7 +33,8 @@ def summarize_events(events: list[dict[str, Any]]) -> dict[str, Any]:
 
   Returns:
     The summary: wall time, checkpoint overhead, stalls per process,
-    durable times per tier, restores with lost and redone steps, errors.
+    durable times per tier, restores with lost and redone steps, each
+    tier's outages (cli/outages.py), errors.
 
   Raises:
     ValueError: no event has a time.
@@ -173,6 +175,7 @@ def summarize_events(events: list[dict[str, Any]]) -> dict[str, Any]:
     "restores": restores,
     "restore_total_s": sum(r["duration_s"] for r in restores if _is_num(r["duration_s"])),
     "train_steps": sum(e["event"] == "train_step" for e in events),
+    "outages": find_outages(events, t0),
     "errors": errors,
   }
 
@@ -280,6 +283,36 @@ def _report_text(s: dict[str, Any], files: list[str], style: Style) -> str:
             ",".join(map(str, r["tried"])) or "-",
           ]
           for r in s["restores"]
+        ],
+        style,
+      )
+    )
+  out += ["", style(f"outages ({len(s['outages'])})", "bold")]
+  if not s["outages"]:
+    out.append("none")
+  else:
+    out.append(
+      grid(
+        [
+          "tier",
+          "began at s",
+          "lasted s",
+          "steps skipped",
+          "steps failed",
+          "caught up",
+          "catch-up s",
+        ],
+        [
+          [
+            o["tier"],
+            f"{o['began_s']:.1f}",
+            "ongoing" if o["duration_s"] is None else f"{o['duration_s']:.1f}",
+            o["skipped"],
+            o["failed"],
+            "-" if o["caught_up_step"] is None else f"step {o['caught_up_step']}",
+            secs(o["catch_up_s"], 2),
+          ]
+          for o in s["outages"]
         ],
         style,
       )

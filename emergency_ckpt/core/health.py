@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
+
+logger = logging.getLogger("emergency_ckpt")
 
 SKIPS_KEPT = 32
 """How many skipped steps a tier remembers by number (the total is always counted)."""
@@ -120,6 +123,7 @@ class HealthTracker:
     self._clock = clock
     self._lock = threading.Lock()
     self._tiers: dict[str, _Tier] = {t: _Tier() for t in tiers}
+    self._reported: tuple[str, ...] = ()
 
   def _tier(self, tier: str) -> _Tier:
     return self._tiers.setdefault(tier, _Tier())
@@ -165,6 +169,15 @@ class HealthTracker:
       key, t0 = min(running.items(), key=lambda kv: kv[1])
       return key, self._clock() - t0
 
+  def down(self, tier: str, error: str) -> None:
+    """`tier` can no longer work on this process (e.g. its receiver stopped):
+    a failure until it succeeds again; recorded once per error."""
+    with self._lock:
+      t = self._tier(tier)
+      if t.last_error != error or not t.failures:
+        t.failures += 1
+        t.last_error = error
+
   def snapshot(self) -> Health:
     """Every tier's TierHealth now."""
     now = self._clock()
@@ -183,3 +196,23 @@ class HealthTracker:
           skipped_total=t.skipped_total,
         )
       return Health(out)
+
+  def report(self, log_prefix: str) -> Health:
+    """snapshot(), logging its problems as one warning when they differ from
+    the last reported (a trainer may call this every step).
+
+    Args:
+      log_prefix: names this process in the warning.
+
+    Returns:
+      The snapshot.
+    """
+    health = self.snapshot()
+    problems = tuple(health.problems())
+    with self._lock:
+      new, self._reported = problems != self._reported, problems
+    if problems and new:
+      logger.warning(
+        "%s checkpointing is degraded (training goes on): %s", log_prefix, "; ".join(problems)
+      )
+    return health

@@ -30,6 +30,7 @@ import jax
 import orbax.checkpoint as ocp
 from orbax.checkpoint.experimental.emergency import checkpoint_manager as orbax_emergency
 
+from emergency_ckpt.core.health import Health
 from emergency_ckpt.errors import InvalidOptionsError, StateMismatchError
 from emergency_ckpt.integrations import prng_keys
 from emergency_ckpt.integrations.orbax_args import abstract_for_restore, only_state, to_options
@@ -370,14 +371,19 @@ class CheckpointManager:
     """
     self._manager.wait_until_finished()
 
-  def check_for_errors(self) -> None:
-    """Raises the first error of background work, if any. Called by: any
-    process. Blocks on nothing.
+  def check_for_errors(self) -> Health:
+    """Unlike Orbax's, reports a sick tier (logged, returned), never raises
+    it: training goes on. Called by: any process. Blocks on nothing.
+
+    Returns:
+      The manager's health() (per tier: newest durable step, work in
+      flight, failures, skipped steps).
 
     Raises:
-      EmergencyCheckpointError: that error.
+      EmergencyCheckpointError: a background error that is the caller's to
+        fix (emergency_ckpt.errors.CALLER_ERRORS), once.
     """
-    self._manager._background.raise_errors()  # noqa: SLF001
+    return self._manager.check_for_errors()
 
   def close(self) -> None:
     """Waits for the last saves, then releases everything. Called by:

@@ -146,15 +146,63 @@ def read_group(step_dir: str) -> dict:
   """
   path = os.path.join(step_dir, GROUP_FILE)
   with open(path, "rb") as f:
-    raw = f.read()
+    return decode_group(f.read(), path)
+
+
+def decode_group(raw: bytes, where: str) -> dict:
+  """read_group of a group.json's bytes. Called by: read_group; no I/O.
+
+  Args:
+    raw: the file's bytes.
+    where: names it in errors.
+
+  Returns:
+    Its body.
+
+  Raises:
+    CorruptCheckpointError: it is torn, altered or malformed (check_group).
+  """
   try:
     doc = json.loads(raw)
     body, crc = doc["body"], doc["crc32c"]
-  except (ValueError, KeyError, TypeError) as e:
-    raise CorruptCheckpointError(f"{path}: unreadable ({e})") from None
+    if not isinstance(body, dict):
+      raise TypeError(f"the body is a {type(body).__name__}")
+  except (ValueError, KeyError, TypeError, RecursionError) as e:
+    raise CorruptCheckpointError(f"{where}: unreadable ({e})") from None
   if crc32c.crc32c(json.dumps(body, sort_keys=True).encode()) != crc:
-    raise CorruptCheckpointError(f"{path}: checksum mismatch")
+    raise CorruptCheckpointError(f"{where}: checksum mismatch")
+  check_group(body, where)
   return body
+
+
+def check_group(body: dict, where: str) -> None:
+  """Checks a group.json body's every field a reader uses: the group's
+  processes, this member's place in it, every other member's size and
+  manifest (hex), and the block's length against what those sizes make it.
+  Called by: decode_group; no I/O. Raises CorruptCheckpointError (naming
+  `where`) if a field is missing, mistyped or inconsistent."""
+  field, step = local_format.field, local_format.field(body, "step", int, where)
+  group = local_format.ints(field(body, "group", list, where), where, "group")
+  member = field(body, "member", int, where)
+  if step < 0 or len(group) < 2 or len(set(group)) != len(group) or not 0 <= member < len(group):
+    raise CorruptCheckpointError(f"{where}: step {step}, member {member} of group {group!r:.80}")
+  others = {str(i) for i in range(len(group)) if i != member}
+  sizes, manifests = field(body, "sizes", dict, where), field(body, "manifests", dict, where)
+  if set(sizes) != others or set(manifests) != others:
+    raise CorruptCheckpointError(f"{where}: sizes or manifests do not name the other members")
+  if not all(local_format.is_a(n, int) and n >= 0 for n in sizes.values()):
+    raise CorruptCheckpointError(f"{where}: a member's size is not a byte count")
+  for raw in manifests.values():
+    try:
+      bytes.fromhex(raw)
+    except (TypeError, ValueError):
+      raise CorruptCheckpointError(f"{where}: a member's manifest is not hex") from None
+  length = xp.block_length([sizes.get(str(i), 0) for i in range(len(group))], member)
+  if field(body, "parity_nbytes", int, where) != length:
+    raise CorruptCheckpointError(
+      f"{where}: parity_nbytes is {body['parity_nbytes']}; the members' sizes make {length}"
+    )
+  field(body, "parity_crc32c", int, where)
 
 
 def map_parity(step_dir: str, body: dict, on_map: Callable[[os.stat_result], None]) -> np.ndarray:

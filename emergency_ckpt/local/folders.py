@@ -23,6 +23,7 @@ import stat
 from collections.abc import Callable, Mapping
 
 from emergency_ckpt.core import layout
+from emergency_ckpt.local import owner as local_owner
 
 
 # ---- the walker ------------------------------------------------------------------
@@ -168,7 +169,14 @@ def replace_step(tmp: str, final: str) -> None:
   old = rename_out_of_namespace(final)
   if old is not None:
     remove_renamed(old)
-  os.rename(tmp, final)
+  fd, name = local_owner.parent_fd(final)
+  try:
+    if os.path.dirname(os.path.abspath(tmp)) != os.path.dirname(os.path.abspath(final)):
+      os.rename(tmp, final)
+    else:
+      os.rename(os.path.basename(tmp), name, src_dir_fd=fd, dst_dir_fd=fd)
+  finally:
+    os.close(fd)
 
 
 def remove_tmp(folder: str, also: Callable[[str], bool] = lambda name: False) -> None:
@@ -271,7 +279,8 @@ def drop_steps(folder: str, steps) -> None:
 def rename_out_of_namespace(path: str) -> str | None:
   """Renames a local step folder to a `.tmp-delete-` name beside it, so a
   crash mid-delete never leaves a listed, partial step (the leftover goes
-  when a manager next starts).
+  when a manager next starts). Through its parent's descriptor (owner.parent_fd):
+  a symlink swapped in for a folder below the root is refused.
 
   Args:
     path: the step folder.
@@ -280,31 +289,42 @@ def rename_out_of_namespace(path: str) -> str | None:
     The new path, or None if absent.
 
   Raises:
+    UnsafeDirectoryError: a folder below the root is now a symlink.
     OSError: the rename failed.
   """
-  path = os.path.abspath(path)
-  if not os.path.lexists(path):
-    return None
-  parent, name = os.path.split(path)
-  doomed = os.path.join(parent, layout.deleting_dir_name(name))
-  os.rename(path, doomed)
-  return doomed
+  fd, name = local_owner.parent_fd(path)
+  try:
+    try:
+      os.lstat(name, dir_fd=fd)
+    except FileNotFoundError:
+      return None
+    doomed = layout.deleting_dir_name(name)
+    os.rename(name, doomed, src_dir_fd=fd, dst_dir_fd=fd)
+  finally:
+    os.close(fd)
+  return os.path.join(os.path.dirname(os.path.abspath(path)), doomed)
 
 
 def remove_renamed(doomed: str) -> None:
-  """Removes what rename_out_of_namespace returned; a link goes, never its
-  target.
+  """Removes what rename_out_of_namespace returned, through its parent's
+  descriptor (owner.parent_fd; shutil.rmtree with dir_fd never follows a link):
+  a link goes, never its target.
 
   Args:
     doomed: the renamed path.
 
   Raises:
+    UnsafeDirectoryError: a folder below the root is now a symlink.
     OSError: the removal failed.
   """
-  if os.path.islink(doomed):
-    os.unlink(doomed)
-  else:
-    shutil.rmtree(doomed)
+  fd, name = local_owner.parent_fd(doomed)
+  try:
+    if stat.S_ISDIR(os.lstat(name, dir_fd=fd).st_mode):
+      shutil.rmtree(name, dir_fd=fd)
+    else:
+      os.unlink(name, dir_fd=fd)
+  finally:
+    os.close(fd)
 
 
 def delete_local_step_dir(path: str) -> None:

@@ -14,6 +14,7 @@ live folders, removing dead ones left empty). Per process; no collective, no JAX
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
@@ -38,9 +39,10 @@ def secure_makedirs(path: str, *, shared_ok: bool = False) -> None:
 
   Raises:
     UnsafeDirectoryError: a symlink, not a folder, another user's, or open
-      to other users.
+      to other users; or an ancestor is (check_ancestors).
   """
   parts = os.path.abspath(path)
+  check_ancestors(parts)
   os.makedirs(parts, mode=0o700, exist_ok=True)
   st = os.lstat(parts)
   if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
@@ -61,6 +63,43 @@ def secure_makedirs(path: str, *, shared_ok: bool = False) -> None:
       f"{parts} has mode {oct(st.st_mode & 0o777)}; the local tier needs 0700"
       f" so no other user can read or plant shards. Run: chmod 700 {parts}"
     )
+
+
+def check_ancestors(path: str) -> None:
+  """Checks every existing folder above `path` (and each link on the way):
+  owned by root or this user, and not writable by group or others unless
+  sticky (/dev/shm, /tmp), so no other user can swap a folder on the way
+  for one of theirs. Called by: secure_makedirs; blocks on one lstat per
+  ancestor.
+
+  Args:
+    path: an absolute path.
+
+  Raises:
+    UnsafeDirectoryError: naming the ancestor and what is wrong with it.
+  """
+  me, parent = os.geteuid(), os.path.dirname(path)
+  while True:
+    try:
+      st, link = os.stat(parent), os.lstat(parent)
+    except FileNotFoundError:
+      st = link = None  # made below, 0700
+    for s in (st, link):
+      if s is not None and s.st_uid not in (0, me):
+        raise UnsafeDirectoryError(
+          f"{parent} (above local.directory {path}) is owned by uid {s.st_uid}, not by root"
+          f" or this user (uid {me}): its owner could swap the folders below it. Choose a"
+          " local.directory whose every folder is root's or yours."
+        )
+    if st is not None and st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+      raise UnsafeDirectoryError(
+        f"{parent} (above local.directory {path}) has mode {oct(st.st_mode & 0o7777)}:"
+        " other users may rename what is inside it. Run: chmod go-w "
+        f"{parent} (or chmod +t, as /dev/shm and /tmp have), or choose another local.directory."
+      )
+    if parent == os.path.dirname(parent):
+      return
+    parent = os.path.dirname(parent)
 
 
 def take(folder: str, log_prefix: str) -> int | None:
@@ -150,3 +189,46 @@ def release(fd: int | None) -> None:
   """
   if fd is not None:
     os.close(fd)
+
+
+def parent_fd(path: str) -> tuple[int, str]:
+  """A descriptor of a step folder's parent, opened from the local root down
+  with no link followed below the root (O_NOFOLLOW per folder: run,
+  process, and partner/process_<j> or xor), and the folder's name. Called
+  by: every rename and deletion here; blocks on a few open() calls.
+
+  Args:
+    path: a step folder (or its renamed name) under a local root.
+
+  Returns:
+    (the parent's descriptor, to be closed by the caller; the name).
+
+  Raises:
+    UnsafeDirectoryError: a folder below the root is a symlink (with a
+      warning: something swapped it in).
+    OSError: a folder is absent.
+  """
+  parent, name = os.path.split(os.path.abspath(path))
+  parts = parent.split(os.sep)
+  below = 3 if parts[-1] == layout.XOR_DIR else 4 if parts[-2:-1] == [layout.PARTNER_DIR] else 2
+  below = min(below, len(parts) - 1)
+  fd = os.open(os.sep.join(parts[:-below]) or os.sep, os.O_RDONLY | os.O_DIRECTORY)
+  try:
+    for part in parts[-below:]:
+      try:
+        nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+      except OSError as e:
+        if e.errno not in (errno.ELOOP, errno.ENOTDIR):
+          raise
+        logger.warning("refused to follow %s: a symlink below the local root", path)
+        raise UnsafeDirectoryError(
+          f"{path}: {part} is a symlink or not a folder; the local tier never renames or"
+          " deletes through one (something swapped it in). Remove it, and check who can"
+          " write to the local root."
+        ) from None
+      os.close(fd)
+      fd = nxt
+  except BaseException:
+    os.close(fd)
+    raise
+  return fd, name

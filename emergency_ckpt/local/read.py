@@ -12,9 +12,11 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 from emergency_ckpt.core import compat
 from emergency_ckpt.core import shards as shards_lib
-from emergency_ckpt.errors import CorruptCheckpointError
+from emergency_ckpt.errors import CorruptCheckpointError, TopologyMismatchError
 from emergency_ckpt.local import format as local_format
 from emergency_ckpt.local.format import LocalStep
 
@@ -59,7 +61,7 @@ def read_step(
   compat.check_tree([leaf["path"] for leaf in body["leaves"]], paths, where)
   shard_layout = shards_lib.layout_for(paths, abstract)
   buf = _map(where, body, on_map)
-  return LocalStep(body["step"], body, local_format.verified_shards(body, buf, shard_layout, where))
+  return LocalStep(body["step"], body, _verified_shards(body, buf, shard_layout, where))
 
 
 def _map(where: str, body: dict, on_map) -> Any:
@@ -98,5 +100,54 @@ def verify_buffer(
           f"{where}/{local_format.SHARDS}: leaf {leaf['path']} shard {index} fails its checksum"
         )
       arrays[index] = data.view(dtype).reshape(shards_lib.shard_shape(index))
+    out.append(arrays)
+  return out
+
+
+def _verified_shards(
+  body: dict, buf: np.ndarray, layout: shards_lib.Layout, where: str
+) -> list[dict[shards_lib.Index, np.ndarray]]:
+  """The shards a layout needs, from a step's bytes, each checked against
+  its CRC32C.
+
+  Args:
+    body: the step's manifest body.
+    buf: its shards.bin bytes.
+    layout: the shards wanted.
+    where: names the step in errors.
+
+  Returns:
+    Per leaf of `layout`, {index: the shard's bytes in `buf` as an array}.
+
+  Raises:
+    StateMismatchError: tree, shape or dtype differ.
+    TopologyMismatchError: a needed shard was not saved.
+    CorruptCheckpointError: bad bytes.
+  """
+  saved = {leaf["path"]: leaf for leaf in body["leaves"]}
+  compat.check_state(
+    {p: (rec["shape"], rec["dtype"]) for p, rec in saved.items()},
+    [leaf.path for leaf in layout.leaves],
+    layout.leaves,
+    where,
+  )
+  out = []
+  for leaf in layout.leaves:
+    rec = saved[leaf.path]
+    by_index = {tuple(tuple(r) for r in s["index"]): s for s in rec["shards"]}
+    arrays = {}
+    for slot in leaf.slots:
+      s = by_index.get(slot.index)
+      if s is None:
+        raise TopologyMismatchError(
+          f"{where}: leaf {leaf.path} has no shard {slot.index}; it was"
+          " saved with another sharding. Restore it from the persistent tier."
+        )
+      data = buf[s["offset"] : s["offset"] + s["nbytes"]]
+      if not local_format.checksum_ok(data, s):
+        raise CorruptCheckpointError(
+          f"{where}/{local_format.SHARDS}: leaf {leaf.path} shard {slot.index} fails its checksum"
+        )
+      arrays[slot.index] = data.view(leaf.dtype).reshape(shards_lib.shard_shape(slot.index))
     out.append(arrays)
   return out

@@ -61,6 +61,7 @@ class WriteResult:
   nbytes: int
   durable_s: float
   error: str | None = None
+  manifest: bytes | None = None  # the raw manifest written (redundancy trailers send it)
 
 
 class LocalTier:
@@ -210,7 +211,11 @@ class LocalTier:
       t0 = time.perf_counter()
       try:
         self._write(staged)
-        result = WriteResult(staged.step, True, staged.layout.nbytes, time.perf_counter() - t0)
+        # read now: retention may drop the step before its redundancy is sent
+        manifest = local_format.raw_manifest(self.step_dir(staged.step))
+        result = WriteResult(
+          staged.step, True, staged.layout.nbytes, time.perf_counter() - t0, manifest=manifest
+        )
       except OSError as e:
         logger.warning(
           "%s local save of step %d failed and was discarded: %s",

@@ -16,6 +16,7 @@ from emergency_ckpt.cluster.topology import Topology
 from emergency_ckpt.core import shards as shards_lib
 from emergency_ckpt.core.health import Health
 from emergency_ckpt.errors import (
+  CALLER_ERRORS,
   EmergencyCheckpointError,
   PendingWorkTimeoutError,
   StepAlreadyExistsError,
@@ -25,6 +26,7 @@ from emergency_ckpt.manager.parts import Parts
 from emergency_ckpt.options import CheckpointManagerOptions
 from emergency_ckpt.restore.inventory import StepMetadata
 from emergency_ckpt.restore.restorer import DataStateRemap, RestoreResult, check_data_state_target
+from emergency_ckpt.runtime import exit_guard
 
 
 class CheckpointManager:
@@ -56,6 +58,7 @@ class CheckpointManager:
     self._saves, self._redundancy = parts.saves, parts.redundancy
     self._last_step: int | None = None
     self._closed = False
+    exit_guard.close_at_exit(self)  # before the interpreter joins threads at exit
 
   # ---- properties ----------------------------------------------------------
   @property
@@ -72,11 +75,12 @@ class CheckpointManager:
     run on other machines (checked at construction). Logged as a warning (a
     shared slice also in the event log). Called by: any process. Blocks on
     nothing."""
-    problems = [
-      self._parts.inventory.placement_problem,
-      None if self._redundancy is None else self._redundancy.problem,
-    ]
-    return "; ".join(p for p in problems if p) or None
+    return self._parts.placement_problem()
+
+  @property
+  def closed(self) -> bool:
+    """Whether close() was called. Called by: any process. Blocks on nothing."""
+    return self._closed
 
   @property
   def local_directory(self) -> str:
@@ -97,10 +101,9 @@ class CheckpointManager:
     """Saves `step` to the tiers whose interval it hits (both if `force`).
 
     Called by: every process, with the same steps. Blocks only on the host
-    copy of this process's shards (plus, on the primary slice at persistent
-    steps, the previous upload if it still runs: at most one is in flight;
-    and on accelerators Orbax's own device-to-host copy); writes finish in
-    the background. No collective.
+    copy of this process's shards (on accelerators also Orbax's own
+    device-to-host copy; with persistent.when_busy="wait" also the previous
+    upload); writes finish in the background. No collective.
 
     Args:
       step: an integer >= 0, newer than the last step saved or restored.
@@ -120,7 +123,6 @@ class CheckpointManager:
       StepAlreadyExistsError: `step` is the last step saved or restored.
       DataStateError: `data_state` cannot be stored as JSON.
       MetricsError: `metrics` is not a dict of finite numbers.
-      EmergencyCheckpointError: earlier background work failed (its error).
     """
     self._check_open()
     _check_step(step)
@@ -184,7 +186,23 @@ class CheckpointManager:
       and the redundancy scheme if any) to TierHealth; `.ok` is False while
       a tier's newest work failed, `.problems()` says what is wrong.
     """
-    return self._parts.ctx.health.snapshot()
+    return self._parts.health()
+
+  def check_for_errors(self) -> Health:
+    """What a trainer calls between steps. A sick tier's failure (bucket,
+    ramdisk, peer) is logged once per new problem and returned, never
+    raised (wait_until_finished() still raises it). Called by: any process,
+    any time; blocks on nothing.
+
+    Returns:
+      health(), as of now.
+
+    Raises:
+      EmergencyCheckpointError: the first background error of CALLER_ERRORS
+        (e.g. StateMismatchError, DataStateError), once.
+    """
+    self._background.raise_errors(only=CALLER_ERRORS)
+    return self._parts.health(report=True)
 
   # ---- inventory and restore ----------------------------------------------
   def all_steps(self) -> list[int]:

@@ -29,7 +29,7 @@ from emergency_ckpt.cluster.collectives import Collectives
 from emergency_ckpt.cluster.context import JobContext
 from emergency_ckpt.cluster.topology import host_identity, job_key, topology_from_mesh
 from emergency_ckpt.core import layout
-from emergency_ckpt.core.health import HealthTracker
+from emergency_ckpt.core.health import Health, HealthTracker
 from emergency_ckpt.core.records import StepRecords
 from emergency_ckpt.core.telemetry import EventLog
 from emergency_ckpt.errors import InvalidOptionsError, PendingWorkTimeoutError, ProtectedStepError
@@ -247,6 +247,22 @@ class Parts:
     timing CPU or RAM should count). Called by: any process."""
     self.local.wait()
     self.staging.wait_prepared()
+
+  def health(self, *, report: bool = False) -> Health:
+    """Every tier's health, a stopped redundancy receiver counted as the
+    scheme's failure; `report`: with a warning when the problems changed."""
+    link, health = self.redundancy, self.ctx.health
+    if link is not None and not link.receiver.healthy():
+      scheme = self.ctx.options.local.redundancy
+      health.down(scheme, f"the {scheme} receiver stopped: {link.receiver.error}")
+    return health.report(self.ctx.topology.log_prefix()) if report else health.snapshot()
+
+  def placement_problem(self) -> str | None:
+    """CheckpointManager.placement_problem's answer: the inventory's shared
+    machines and the redundancy link's, joined; None if neither has one."""
+    link = self.redundancy
+    problems = [self.inventory.placement_problem, None if link is None else link.problem]
+    return "; ".join(p for p in problems if p) or None
 
   def best_step(self, steps: list[int]) -> int | None:
     """The step of `steps` with the best best_metric (ties: the newest),

@@ -140,15 +140,15 @@ class PersistentTierOptions:
   """Also keep the `keep_best` best steps by the manager's `best_metric`.
   Default None: off. None or an integer >= 1; needs `best_metric`."""
 
-  when_busy: str = "wait"
+  when_busy: str = "skip"
   """What a persistent step does when the previous upload still runs:
-  "wait" (save() waits for it, as Orbax's own managers do: every
-  persistent step reaches the bucket, but a hung or slow bucket stalls
-  training for as long as it is sick) or "skip" (the step is skipped on the
-  whole primary slice, agreed without blocking save(); training never
-  waits for the bucket, health() and a save_skipped event name the skipped
-  steps). Default "wait": a trainer that saves persistent steps faster than
-  the bucket takes them keeps every one of them. "wait" or "skip"."""
+  "skip" (the step is skipped on the whole primary slice, agreed without
+  blocking save(); training never waits for the bucket, health() and a
+  save_skipped event name the skipped steps; the next persistent step after
+  the upload ends is uploaded) or "wait" (save() waits for it, as Orbax's
+  own managers do: every persistent step reaches the bucket, but a hung or
+  slow bucket stalls training for as long as it is sick). Default "skip": a
+  sick bucket never stops training. "wait" or "skip"."""
 
   compression: bool = False
   """zstd (level 1) in Orbax's zarr3 chunks, Orbax's default. Default False:
@@ -210,6 +210,33 @@ class PeerOptions:
   kernel picks. Set it where hosts open only some ports to each other; a
   sender that finds no free port in it cannot serve, and the restore falls
   back to persistent."""
+
+  integrity: str = "mac"
+  """What protects the bytes of every peer stream (a restore's transfer,
+  partner copies, XOR chunks) beyond the handshake, in which both ends
+  always prove they hold the secret published through the coordination
+  service: "mac" (the default: an HMAC-SHA256 under a per-connection key
+  over every header and every shard, so a shard changed on the wire fails
+  even when its CRC32C was fixed too; it costs one more pass over each byte
+  in cache, measured in docs/security.md) or "crc" (headers MAC'd,
+  payloads checked by their CRC32C only: against accidents, not a man in
+  the middle; for networks no one else can reach)."""
+
+  encryption: str = "none"
+  """Whether peer streams are encrypted: "none" (the default: the job's
+  bytes are readable on its network, but cannot be changed unseen under
+  integrity "mac") or "tls" (TLS 1.3 from the standard library, each
+  listener's self-signed certificate pinned by the fingerprint it publishes
+  through the coordination service; needs the `openssl` tool on the PATH
+  and costs more, measured in docs/security.md): for networks others can
+  read."""
+
+  allow_all_interfaces: bool = False
+  """Whether `host` may be an all-interfaces address ("0.0.0.0", "::"), which
+  exposes the listening ports on every network the host is on, not only the
+  one its peers use. Default False: such a host is refused, since it is
+  almost always an accident; name the data network's address instead, or
+  set this True where a wildcard listener is wanted (a firewall in front)."""
 
   def __post_init__(self):
     option_checks.check_peer(self)

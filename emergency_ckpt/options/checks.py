@@ -11,6 +11,7 @@ Called by: options.py only.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from typing import Any
 
@@ -19,6 +20,8 @@ from emergency_ckpt.errors import InvalidOptionsError
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 BEST_MODES = ("min", "max")
 PEER_TRANSPORTS = ("stream", "collective")
+PEER_INTEGRITY = ("mac", "crc")
+PEER_ENCRYPTION = ("none", "tls")
 REDUNDANCY = ("none", "partner", "xor")
 
 
@@ -189,6 +192,34 @@ def check_peer(o: Any) -> None:
     f"peer.host must be a host name or address, or None, got {o.host!r}.",
   )
   parse_port_range(o.ports)
+  require(
+    o.integrity in PEER_INTEGRITY,
+    f"peer.integrity must be one of {list(PEER_INTEGRITY)}, got {o.integrity!r}.",
+  )
+  require(
+    o.encryption in PEER_ENCRYPTION,
+    f"peer.encryption must be one of {list(PEER_ENCRYPTION)}, got {o.encryption!r}.",
+  )
+  require(
+    isinstance(o.allow_all_interfaces, bool),
+    f"peer.allow_all_interfaces must be True or False, got {o.allow_all_interfaces!r}.",
+  )
+  require(
+    o.allow_all_interfaces or not _all_interfaces(o.host),
+    f"peer.host {o.host!r} listens on every interface of the host, exposing the peer"
+    " ports beyond the data network. Name the data network's address (or None for the"
+    " interface that reaches the coordinator), or set peer.allow_all_interfaces: true.",
+  )
+
+
+def _all_interfaces(host: Any) -> bool:
+  """Whether a peer.host is a wildcard address (0.0.0.0, ::, or a spelling of them)."""
+  if not isinstance(host, str):
+    return False
+  try:
+    return ipaddress.ip_address(host.strip().strip("[]")).is_unspecified
+  except ValueError:
+    return host.strip() in ("", "*")
 
 
 def check_manager(o: Any, local: type, persistent: type, peer: type) -> None:

@@ -23,7 +23,8 @@ from typing import Any
 from etils import epath
 
 from emergency_ckpt.core import gcs_retry, layout, storage
-from emergency_ckpt.errors import StorageError
+from emergency_ckpt.errors import CorruptCheckpointError, StorageError
+from emergency_ckpt.local import format as local_format
 from emergency_ckpt.state.store import StateStore
 
 logger = logging.getLogger("emergency_ckpt")
@@ -231,9 +232,14 @@ def read_run_info(root: epath.PathLike) -> dict[str, Any] | None:
     if isinstance(e, FileNotFoundError):
       return None
     raise
-  except (OSError, ValueError):
+  except (OSError, ValueError, RecursionError):
     return None
-  return doc if isinstance(doc, dict) else None
+  try:  # a field of another type: as unreadable
+    for key, kind in (("run_id", str), ("topology", dict), ("persistent_save_interval_steps", int)):
+      local_format.field(doc, key, (kind, type(None)), "run.json", None)
+  except CorruptCheckpointError:
+    return None
+  return doc
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -33,6 +33,7 @@ from etils import epath
 from emergency_ckpt.core import compat
 from emergency_ckpt.core import shards as shards_lib
 from emergency_ckpt.errors import CorruptCheckpointError, StateMismatchError
+from emergency_ckpt.local import format as local_format
 from emergency_ckpt.persistent import checksums
 from emergency_ckpt.runtime.buffers import aligned_empty
 from emergency_ckpt.state.shard_records import Expected, overlap
@@ -42,13 +43,19 @@ COALESCE = "experimental_read_coalescing_threshold_bytes"
 
 
 def _read_metadata(item_dir: epath.Path) -> dict:
+  """The step's Orbax _METADATA, an object whose flags read are bools or
+  null (anything else is damage: CorruptCheckpointError)."""
+  path = item_dir / METADATA
   try:
-    return json.loads((item_dir / METADATA).read_text())
-  except (OSError, ValueError) as e:
+    meta = json.loads(path.read_text())
+  except (OSError, ValueError, RecursionError) as e:
     raise CorruptCheckpointError(
-      f"{item_dir / METADATA} is unreadable ({type(e).__name__}: {e}); the step's"
+      f"{path} is unreadable ({type(e).__name__}: {e}); the step's"
       " Orbax metadata is damaged. Restore another step (all_steps() lists them)."
     ) from e
+  for key in ("use_ocdbt", "use_zarr3", "store_array_data_equal_to_fill_value"):
+    local_format.field(meta, key, (bool, type(None)), f"{path} (damaged Orbax metadata)", None)
+  return meta
 
 
 def read(item_dir: epath.Path, abstract_tree: Any, ocp: Any, expected: Expected) -> Any:

@@ -145,6 +145,7 @@ def read_shared(
   timeout_s: float,
   ports: tuple[int, int] | None = None,
   readers: int | None = None,
+  security=None,
 ) -> list | None:
   """This process's arrays of a persistent step, read in part here and in part by other slices.
 
@@ -161,6 +162,8 @@ def read_shared(
     ports: the ports a sender may listen on (peer.ports); None: any.
     readers: how many slices read from storage (routing.reader_slices: None
       is its rule by model size; more than the slices means all).
+    security: peer.integrity and peer.encryption (transport Security; None:
+      the defaults).
 
   Returns:
     The arrays, per leaf of abstract_tree; or None if the transfer failed on
@@ -237,6 +240,7 @@ def read_shared(
         log_prefix=topology.log_prefix(),
         ports=ports,
         ready=gates,
+        security=security,
       )
       offer = server.offer()
     except OSError as e:

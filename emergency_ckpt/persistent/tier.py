@@ -46,6 +46,8 @@ from emergency_ckpt.persistent import read as persistent_read
 from emergency_ckpt.persistent.in_flight import UploadInFlight
 from emergency_ckpt.persistent.layout import cleanup_unfinalized, delete_step, list_steps
 from emergency_ckpt.persistent.orbax_loader import orbax
+from emergency_ckpt.runtime import exit_guard
+from emergency_ckpt.runtime.serial import SerialExecutor
 from emergency_ckpt.state.shard_records import Expected
 
 logger = logging.getLogger("emergency_ckpt")
@@ -96,7 +98,7 @@ class PersistentTier(UploadInFlight):
     self._upload: concurrent.futures.Future | None = None  # save_snapshot's, if any
     self._upload_step: int | None = None  # the step of the last upload started or queued
     self._upload_started: float | None = None  # time.monotonic() it began (None: queued)
-    self._uploader = concurrent.futures.ThreadPoolExecutor(1, "ec-persistent-upload")
+    self._uploader = SerialExecutor("ec-persistent-upload")  # a daemon: see runtime/serial.py
     # Every process, before anything waits on another: a missing bucket fails
     # each of them at once, naming it (on GCS; no-op elsewhere).
     check_bucket(options.directory, "opening the persistent directory")
@@ -359,6 +361,7 @@ class PersistentTier(UploadInFlight):
         self._saving_step,
       )
       self._uploader.shutdown(wait=False, cancel_futures=True)
+      exit_guard.abandoned(f"the upload of step {self._saving_step} to {self.directory}")
       return
     try:
       if self._upload is not None:

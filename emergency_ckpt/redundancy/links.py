@@ -37,6 +37,7 @@ from emergency_ckpt.options import REDUNDANCY_OVERLAP_MIN_CPUS
 from emergency_ckpt.redundancy import partner as partner_lib
 from emergency_ckpt.redundancy import xor as xor_lib
 from emergency_ckpt.redundancy import xor_wire
+from emergency_ckpt.transport import protocol
 
 logger = logging.getLogger("emergency_ckpt")
 
@@ -102,6 +103,7 @@ class Partner(_Link):
       log_prefix=self._prefix,
       ports=options.peer.port_range,
       mapped=mapped,
+      security=protocol.Security.of(options.peer),
     )
     same = collectives.group_by("partner_hosts", host_label, topology.slice_index)
     me = topology.process_index
@@ -205,6 +207,7 @@ class Xor(_Link):
       log_prefix=self._prefix,
       ports=options.peer.port_range,
       mapped=mapped,
+      security=protocol.Security.of(options.peer),
     )
     others = [p for p in self.group if p != me]
     self._offers = collectives.exchange_some("xor_offer", self.receiver.offer(), wanted=others)

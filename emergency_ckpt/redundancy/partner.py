@@ -22,10 +22,16 @@ Who partners whom: `choose_partner` (pure): the next process of the slice,
 in slice order, that runs on another machine.
 
 Security: as every peer stream (transport/protocol.py), each receiver
-listens on one address for the manager's lifetime and accepts only senders
-that present the 256-bit token it published through the JAX coordination
-service; requests are JSON, the payload raw bytes, nothing received is
-executed.
+listens on one address for the manager's lifetime and serves only senders
+that prove they hold the secret it published through the JAX coordination
+service (a challenge-response per connection, bound to the sender and the
+step it claims, which the header must then name); the header, the bytes
+and the trailer each carry a MAC under the connection's key. The header's
+sizes are checked against each other before any byte is taken (its spans
+within its byte count, a spare reused only if it already has that size:
+nothing is allocated ahead of the bytes that arrive), and the trailer's
+manifest is decoded and checked against the header before it is stored.
+Nothing received is executed.
 
 Called by: the manager (one Receiver per process while redundancy is on;
 send() on the redundancy lane after each local write).
@@ -38,7 +44,6 @@ import logging
 import mmap
 import os
 import shutil
-import socket
 from collections.abc import Callable, Mapping, Sequence
 
 from emergency_ckpt.core import failpoints, layout
@@ -80,6 +85,8 @@ def choose_partner(
 class Receiver(protocol.Listener):
   """Receives partner steps into this process's folder until close()."""
 
+  _purpose = "partner"
+
   def __init__(
     self,
     process_dir: str,
@@ -90,6 +97,7 @@ class Receiver(protocol.Listener):
     log_prefix: str,
     ports: tuple[int, int] | None = None,
     mapped: Callable[[os.stat_result], bool] | None = None,
+    security: protocol.Security | None = None,
   ):
     """Removes what a crashed incarnation left, then listens (OSError if it
     cannot).
@@ -103,6 +111,7 @@ class Receiver(protocol.Listener):
       ports: the port range to listen on (None: any).
       mapped: whether a restore mapped a file (its pages may be aliased by
         restored arrays): such a retired copy is never written over.
+      security: peer.integrity and peer.encryption (None: the defaults).
     """
     self._dir = process_dir
     self._mapped = mapped or (lambda st: False)
@@ -110,22 +119,21 @@ class Receiver(protocol.Listener):
     self._timeout_s = timeout_s
     self._prefix = log_prefix
     _cleanup(process_dir)
-    self._start(host, ports)
+    self._start(host, ports, security)
 
-  def _handle(self, conn: socket.socket) -> None:
+  def _handle(self, conn: protocol.Session) -> None:
     """One sender's step: header (its shards' spans), bytes, then its
     manifest (or the error that ended its local write); answers once the
-    step is durable here."""
+    step is durable here. Runs on the connection's thread; blocks on the
+    sender (the socket timeout)."""
     try:
-      header = protocol.recv_json(conn)
-      step, sender = int(header["step"]), int(header["process"])
-      spans = [(int(o), int(n)) for o, n in header["spans"]]
-      self._store(conn, step, sender, int(header["nbytes"]), spans)
-      protocol.send_json(conn, {"ok": True})
+      step, sender, nbytes, spans = _checked_header(conn.recv_json(), conn.claim)
+      self._store(conn, step, sender, nbytes, spans)
+      conn.send_json({"ok": True})
     except Exception as e:  # noqa: BLE001 - the sender sees no "ok" and reports it
       logger.warning("%s partner: a step was not stored: %s", self._prefix, e)
       with contextlib.suppress(OSError):
-        protocol.send_json(conn, {"error": str(e)})
+        conn.send_json({"error": str(e)})
 
   def _store(self, conn, step: int, sender: int, nbytes: int, spans) -> None:
     """Writes the step into a temporary folder as its bytes arrive, summing
@@ -142,11 +150,13 @@ class Receiver(protocol.Listener):
       checks = StreamChecksums(spans, tmp)
       path = os.path.join(tmp, local_format.SHARDS)
       reused = folders.take_spare(folder, local_format.SHARDS, path, self._mapped, nbytes)
+      rx = conn.payload_in(nbytes)
       with open(path, "r+b" if reused else "wb") as f:
         if reused and nbytes:  # the spare's pages exist: map them, one copy per byte
-          _receive_mapped(conn, f, nbytes, checks)
+          _receive_mapped(rx, f, nbytes, checks)
         else:
-          _receive(conn, f, nbytes, checks)
+          _receive(rx, f, nbytes, checks)
+        rx.finish()  # the bytes' MAC: a man in the middle fails here
         f.flush()
         os.fsync(f.fileno())
       manifest, body = _trailer(conn, step, sender, nbytes)
@@ -163,7 +173,34 @@ class Receiver(protocol.Listener):
     folders.retire_steps(folder, retired, local_format.SHARDS, self._mapped)
 
 
-def _trailer(conn: socket.socket, step: int, sender: int, nbytes: int) -> tuple[bytes, dict]:
+def _checked_header(header, claim: dict) -> tuple[int, int, int, list[tuple[int, int]]]:
+  """(step, sender, nbytes, spans) of a sender's header, checked: the
+  types, every span within the byte count, and the sender and step the
+  connection's handshake was bound to. Raises ValueError naming the field."""
+  if not isinstance(header, dict):
+    raise ValueError(f"a header that is a {type(header).__name__}")
+  step, sender, nbytes, spans = (header.get(k) for k in ("step", "process", "nbytes", "spans"))
+  if not all(type(v) is int and v >= 0 for v in (step, sender, nbytes)) or not isinstance(
+    spans, list
+  ):
+    raise ValueError(f"a malformed header {str(header)[:200]}")
+  if (sender, step) != (claim.get("sender"), claim.get("step")):
+    raise ValueError(
+      f"the header names process {sender} step {step}; the connection was opened for"
+      f" process {claim.get('sender')} step {claim.get('step')}"
+    )
+  out = []
+  for span in spans:
+    if not (isinstance(span, list) and len(span) == 2 and all(type(v) is int for v in span)):
+      raise ValueError(f"a malformed span {str(span)[:80]}")
+    off, n = span
+    if off < 0 or n < 0 or off + n > nbytes:
+      raise ValueError(f"a span {off}+{n} outside the step's {nbytes} bytes")
+    out.append((off, n))
+  return step, sender, nbytes, out
+
+
+def _trailer(conn: protocol.Session, step: int, sender: int, nbytes: int) -> tuple[bytes, dict]:
   """The sender's manifest after the bytes (raw, decoded), checked against
   the header; OSError if its local write failed."""
   raw = protocol.recv_manifest(conn, f"process {sender} did not write step {step}")
@@ -183,18 +220,17 @@ def _cleanup(process_dir: str) -> None:
       folders.remove_tmp(folder)
 
 
-def _receive_mapped(conn: socket.socket, f, nbytes: int, checks) -> None:
-  """`nbytes` from `conn` straight into the pages of `f` (a spare: they
-  exist), through a shared mapping: one copy per byte, summed in cache."""
+def _receive_mapped(rx, f, nbytes: int, checks) -> None:
+  """`nbytes` of the payload `rx` straight into the pages of `f` (a spare
+  of that size: they exist), through a shared mapping: one copy per byte,
+  summed (CRC32C and MAC) in cache."""
   mm = mmap.mmap(f.fileno(), nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
   try:
     with memoryview(mm) as whole:
       pos = 0
       while pos < nbytes:
         view = whole[pos : min(nbytes, pos + _CHUNK)]
-        n = protocol.recv_some(conn, view)
-        if not n:
-          raise ConnectionError(f"connection closed with {nbytes - pos} of {nbytes} bytes to go")
+        n = rx.recv_some(view)
         checks.update(pos, view[:n])
         view.release()
         pos += n
@@ -202,15 +238,14 @@ def _receive_mapped(conn: socket.socket, f, nbytes: int, checks) -> None:
     mm.close()
 
 
-def _receive(conn: socket.socket, f, nbytes: int, checks: StreamChecksums) -> None:
-  """`nbytes` from `conn` into the file `f`, through one small buffer that
-  stays in cache while its bytes are summed and written."""
+def _receive(rx, f, nbytes: int, checks: StreamChecksums) -> None:
+  """`nbytes` of the payload `rx` into the file `f`, through one small
+  buffer that stays in cache while its bytes are summed and written (the
+  file grows only as bytes arrive)."""
   view = memoryview(bytearray(min(_CHUNK, max(nbytes, 1))))
   pos = 0
   while pos < nbytes:
-    n = protocol.recv_some(conn, view[: min(len(view), nbytes - pos)])
-    if not n:
-      raise ConnectionError(f"connection closed with {nbytes - pos} of {nbytes} bytes to go")
+    n = rx.recv_some(view[: min(len(view), nbytes - pos)])
     checks.update(pos, view[:n])
     f.write(view[:n])
     pos += n
@@ -249,6 +284,7 @@ def send(offer: dict, partner: int, step_dir: str, *, timeout_s: float) -> int:
     nbytes,
     timeout_s=timeout_s,
     trailer=protocol.manifest_trailer(lambda: raw),
+    sender=body["process_index"],
   )
   return _answered(reply, partner, body["step"], nbytes)
 
@@ -307,6 +343,7 @@ def send_snapshot(
       timeout_s=timeout_s,
       trailer=protocol.manifest_trailer(manifest),
       sent=bytes_out,
+      sender=process,
     )
   finally:
     bytes_out()
@@ -323,6 +360,6 @@ def _header(step: int, process: int, nbytes: int, spans: Sequence[tuple[int, int
 
 
 def _answered(reply: dict, partner: int, step: int, nbytes: int) -> int:
-  if not reply.get("ok"):
+  if not isinstance(reply, dict) or not reply.get("ok"):
     raise PeerTransferError(f"partner process {partner} did not store step {step}: {reply}")
   return nbytes

@@ -21,8 +21,9 @@ rebuilder pulls the parity blocks and the other chunks from the survivors
 in place), and checks every rebuilt shard against the CRC32C in the lost
 member's manifest.
 
-Security: as every peer stream (transport/protocol.py: a token published
-through the coordination service; JSON requests, raw bytes, nothing
+Security: as every peer stream (transport/protocol.py: a secret published
+through the coordination service and proven by both ends of every
+connection; a MAC on every request, reply and byte range; nothing
 executed).
 
 Called by: redundancy/links.py (send, send_snapshot, send_failure, on the
@@ -88,6 +89,7 @@ def send(
       length,
       timeout_s=timeout_s,
       trailer=protocol.manifest_trailer(lambda: raw),
+      sender=member,
     )
 
   return xor_wire.send_chunks(offers, group, member, step, nbytes, one)
@@ -156,6 +158,7 @@ def send_snapshot(
         timeout_s=timeout_s,
         trailer=protocol.manifest_trailer(manifest),
         sent=bytes_out,
+        sender=member,
       )
     finally:
       if not out[0]:  # failed before its last byte: done with `data` too
@@ -202,7 +205,10 @@ def send_failure(
 
 class RangeServer(stream.Server):
   """Serves byte ranges of this host's data and parity files of one step,
-  by saved process (for a rebuild), to clients that present its token."""
+  by saved process (for a rebuild), to clients that prove they hold its
+  secret."""
+
+  _purpose = "xor-range"
 
   def __init__(
     self,
@@ -213,6 +219,7 @@ class RangeServer(stream.Server):
     timeout_s: float,
     log_prefix: str,
     ports: tuple[int, int] | None = None,
+    security: protocol.Security | None = None,
   ):
     """Listens at once (OSError if it cannot).
 
@@ -223,21 +230,24 @@ class RangeServer(stream.Server):
       timeout_s: the socket timeout.
       log_prefix: this process's log prefix.
       ports: the port range to listen on (None: any).
+      security: peer.integrity and peer.encryption (None: the defaults).
     """
     self._ready = {}
     self._timeout_s = timeout_s
     self._prefix = log_prefix
     self._step = step
     self._files = dict(files)
-    self._start(host, ports)
+    self._start(host, ports, security)
 
   def _answer(self, request):
     if not isinstance(request, dict) or request.get("step") != self._step:
       return {"error": f"this process serves step {self._step}"}, [], []
     records, views = [], []
     for process, kind, offset, length in request.get("ranges", []):
-      buf = self._files.get((int(process), kind))
-      if buf is None or offset < 0 or offset + length > len(buf):
+      if not all(type(v) is int for v in (process, offset, length)) or not isinstance(kind, str):
+        return {"error": "a malformed range"}, [], []
+      buf = self._files.get((process, kind))
+      if buf is None or offset < 0 or length < 0 or offset + length > len(buf):
         return {"error": f"no {kind} bytes {offset}+{length} of process {process} here"}, [], []
       records.append({"nbytes": int(length)})  # checked as the rebuilt shards, not per range
       views.append(buf[offset : offset + length])
@@ -282,20 +292,26 @@ def _fetch(
   if "error" in offer:
     raise PeerTransferError(f"process {holder} cannot serve: {offer['error']}")
   piece = np.empty(PIECE, np.uint8)
-  with protocol.connect(offer, timeout_s=timeout_s) as sock:
-    protocol.send_json(sock, {"step": step, "ranges": ranges})
-    reply = protocol.recv_json(sock)
-    if "error" in reply:
-      raise PeerTransferError(f"process {holder} refused: {reply['error']}")
-    for (_, _, _, length), record, t in zip(ranges, reply["shards"], into):
-      if record.get("nbytes") != length:
+  with protocol.connect(offer, timeout_s=timeout_s, step=step) as sock:
+    sock.send_json({"step": step, "ranges": ranges})
+    reply = sock.recv_json(protocol.MAX_DOCUMENT)
+    if not isinstance(reply, dict) or "error" in reply:
+      why = reply.get("error") if isinstance(reply, dict) else reply
+      raise PeerTransferError(f"process {holder} refused: {why}")
+    records = reply.get("shards")
+    if not isinstance(records, list) or len(records) != len(ranges):
+      raise PeerTransferError(
+        f"process {holder} answered {str(records)[:80]} for {len(ranges)} ranges"
+      )
+    for (_, _, _, length), record, t in zip(ranges, records, into):
+      if not isinstance(record, dict) or record.get("nbytes") != length:
         raise PeerTransferError(f"process {holder} answered {record} for {length} bytes")
-      pos = 0
-      while pos < length:
-        n = min(PIECE, length - pos)
-        protocol.recv_into(sock, piece[:n])
+      rx = sock.payload_in(length)
+      while rx.pos < length:
+        pos = rx.pos
+        n = rx.recv_some(piece[: min(PIECE, length - pos)])
         target.xor(t, pos, piece[:n])
-        pos += n
+      rx.finish()  # a range changed on the wire fails here, before the CRC32Cs
 
 
 def rebuild(

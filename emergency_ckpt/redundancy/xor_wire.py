@@ -12,9 +12,15 @@ once all k-1 chunks came, answers every sender, and only then retires old
 blocks. A torn chunk, a member's failed write or a timeout gives the step
 up: its block goes and every waiting sender is told.
 
-Security: as every peer stream (transport/protocol.py: a token published
-through the coordination service; JSON headers, raw bytes, nothing
-executed).
+Security: as every peer stream (transport/protocol.py: a secret published
+through the coordination service, proven by both ends on every connection,
+which is bound to the member and step it claims; a MAC on the header, the
+chunk and the trailer; nothing executed). Sizes from the wire are not
+trusted: a chunk's length must be the one the receiver computes from the
+sender's byte count (core/parity.py); the block grows only as bytes arrive
+(never to a length a header names ahead of them); the sender's manifest is
+decoded and checked against its header before it is kept, and the stored
+block's length comes from those checked sizes.
 
 Called by: redundancy/xor.py (send_chunks, on the redundancy lane),
 redundancy/links.py (one ParityReceiver per member).
@@ -26,7 +32,6 @@ import concurrent.futures
 import contextlib
 import logging
 import os
-import socket
 import threading
 from collections.abc import Callable, Mapping, Sequence
 
@@ -36,6 +41,7 @@ from emergency_ckpt.core import layout
 from emergency_ckpt.core import parity as xp
 from emergency_ckpt.errors import PeerTransferError
 from emergency_ckpt.local import blocks, folders
+from emergency_ckpt.local import format as local_format
 from emergency_ckpt.transport import protocol
 
 logger = logging.getLogger("emergency_ckpt")
@@ -138,6 +144,8 @@ class ParityReceiver(protocol.Listener):
   members send, stores the block once all k-1 arrived, answers them, and
   only then prepares the next step's spare (see _retire)."""
 
+  _purpose = "xor"
+
   def __init__(
     self,
     process_dir: str,
@@ -150,6 +158,7 @@ class ParityReceiver(protocol.Listener):
     log_prefix: str,
     ports: tuple[int, int] | None = None,
     mapped: Callable[[os.stat_result], bool] | None = None,
+    security: protocol.Security | None = None,
   ):
     """Removes what a crashed incarnation left, then listens (OSError if it
     cannot).
@@ -165,6 +174,7 @@ class ParityReceiver(protocol.Listener):
       ports: the port range to listen on (None: any).
       mapped: whether a restore mapped a file (a rebuild maps parity
         blocks in place): such a block is never recycled as a spare.
+      security: peer.integrity and peer.encryption (None: the defaults).
     """
     self._dir = blocks.xor_dir(process_dir)
     self._member, self._group = member, list(group)
@@ -181,13 +191,15 @@ class ParityReceiver(protocol.Listener):
     # a chunk of a member that came is a new attempt.
     self._given_up: dict[int, tuple[str, set[int]]] = {}
     folders.remove_tmp(self._dir)
-    self._start(host, ports)
+    self._start(host, ports, security)
 
-  def _handle(self, conn: socket.socket) -> None:
-    """One member's chunk of a step; answers once the block is durable."""
+  def _handle(self, conn: protocol.Session) -> None:
+    """One member's chunk of a step; answers once the block is durable.
+    Runs on the connection's thread; blocks on the sender and on the
+    step's other chunks (the timeout)."""
     stored = False
     try:
-      header = protocol.recv_json(conn)
+      header = conn.recv_json()
       pending, stored = self._add(header, conn)
       if not pending.done.wait(self._timeout_s):
         missing = sorted(set(range(pending.k)) - {self._member} - set(pending.seen))
@@ -196,24 +208,22 @@ class ParityReceiver(protocol.Listener):
         raise TimeoutError(pending.error)
       if pending.error:
         raise OSError(pending.error)
-      protocol.send_json(conn, {"ok": True})
+      conn.send_json({"ok": True})
     except Exception as e:  # noqa: BLE001 - the sender sees no "ok" and reports it
       logger.warning("%s xor: a parity block was not stored: %s", self._prefix, e)
       with contextlib.suppress(OSError):
-        protocol.send_json(conn, {"error": str(e)})
+        conn.send_json({"error": str(e)})
     finally:
       if stored:  # every sender has its answer: off the save's path
         self._retire()
 
-  def _add(self, header: dict, conn: socket.socket) -> tuple[_Pending, bool]:
+  def _add(self, header: dict, conn: protocol.Session) -> tuple[_Pending, bool]:
     """Receives one member's chunk from `conn`, XORed into the step's block
     piece by piece as it arrives (each piece still in cache); the last
     chunk of the step stores the block. Returns (the step's pending block,
     whether this call stored it)."""
-    step, i, k = int(header["step"]), int(header["member"]), len(self._group)
-    length = int(header["length"])
-    if header["group"] != self._group or i == self._member or not 0 <= i < k:
-      raise ValueError(f"a chunk from member {i} of group {header['group']}, not of {self._group}")
+    step, i, length = _checked_header(header, conn.claim, self._group, self._member)
+    k = len(self._group)
     with self._lock:
       why = self._late(step, i, k)  # a late chunk of an attempt given up
       if why is None:
@@ -225,32 +235,35 @@ class ParityReceiver(protocol.Listener):
       with pending.lock:
         why = pending.error  # given up since
         if why is None:
-          self._open(pending, step, length)
+          self._open(pending, step)
     if why is not None:  # refused: read (so the sender gets the answer), dropped
-      _drain(conn, length)
+      _drain(conn.payload_in(length))
       raise OSError(why)
     view = memoryview(bytearray(min(PIECE, max(length, 1))))
     piece = np.frombuffer(view, np.uint8)
-    pos = 0
+    rx = conn.payload_in(length)
     try:
-      while pos < length:
-        n = protocol.recv_some(conn, view[: min(len(view), length - pos)])
-        if not n:
-          raise ConnectionError(f"connection closed after {pos} of {length} bytes")
-        pos += n
+      while rx.pos < length:
+        n = rx.recv_some(view[: min(len(view), length - rx.pos)])
+        pos = rx.pos
         with pending.lock:
           dropped = pending.block is None
           if not dropped:
-            pending.block.add(pos - n, piece[:n])
+            block = pending.block
+            if pos > len(block.acc):  # grown as the bytes come, never ahead of them
+              block.grow(min(length, max(pos, 2 * len(block.acc))))
+            block.add(pos - n, piece[:n])
         if dropped:  # given up meanwhile: the rest read (the sender gets the answer)
-          _drain(conn, length - pos)
+          _drain(rx)
           raise _GivenUp(pending.error or f"step {step} was given up")
+      rx.finish()  # the chunk's MAC, before the step counts it
       # After the bytes, the sender's manifest of the step, once its local
       # write is complete (or why it failed: the step is given up at once).
       try:
-        manifest = protocol.recv_manifest(conn, f"member {i} did not write step {step}")
+        raw = protocol.recv_manifest(conn, f"member {i} did not write step {step}")
       except OSError as e:
         raise _NotWritten(str(e)) from None
+      manifest = _checked_manifest(raw, header, self._group[i])
     except BaseException as e:  # a torn chunk poisons the step's block: drop it
       why = (
         str(e)
@@ -261,7 +274,7 @@ class ParityReceiver(protocol.Listener):
       raise
     with self._lock:
       pending.arriving.discard(i)
-      pending.seen[i] = {**header, "manifest": manifest.hex()}
+      pending.seen[i] = {**header, "manifest": raw.hex(), "nbytes": manifest["nbytes"]}
       complete = len(pending.seen) == k - 1 and self._pending.get(step) is pending
       if complete:
         del self._pending[step]
@@ -274,13 +287,12 @@ class ParityReceiver(protocol.Listener):
       pending.done.set()
     return pending, complete
 
-  def _open(self, pending: _Pending, step: int, length: int) -> None:
-    """Under pending.lock: the step's block, made by its first chunk (over
-    the spare, if there is one), else grown to `length`."""
-    if pending.block is not None:
-      pending.block.grow(length)
-      return
-    pending.block = blocks.open_block(self._dir, step, length, self._mapped)
+  def _open(self, pending: _Pending, step: int) -> None:
+    """Under pending.lock: the step's block, made empty by its first chunk
+    (over the spare, if there is one); every chunk grows it as its bytes
+    arrive (_add), never ahead of them."""
+    if pending.block is None:
+      pending.block = blocks.open_block(self._dir, step, 0, self._mapped)
 
   def _late(self, step: int, i: int, k: int) -> str | None:
     """Under _lock: why member `i`'s chunk of `step` is refused (a late
@@ -352,9 +364,51 @@ class ParityReceiver(protocol.Listener):
       self._idle.wait_for(lambda: self._retires == 0, timeout=self._timeout_s)
 
 
-def _drain(conn: socket.socket, length: int) -> None:
-  """Reads and drops a chunk's `length` bytes and its trailer."""
-  buf = np.empty(min(PIECE, max(length, 1)), np.uint8)
-  for pos in range(0, length, len(buf)):
-    protocol.recv_into(conn, buf[: min(len(buf), length - pos)])
-  protocol.recv_json(conn)
+def _drain(rx) -> None:
+  """Reads and drops what is left of a chunk's payload `rx`, its MAC and
+  its trailer."""
+  buf = memoryview(bytearray(min(PIECE, max(rx.length - rx.pos, 1))))
+  while rx.pos < rx.length:
+    rx.recv_some(buf[: rx.length - rx.pos])
+  rx.finish()
+  rx.session.recv_json(protocol.MAX_DOCUMENT)
+
+
+def _checked_header(header, claim: dict, group: list, me: int) -> tuple[int, int, int]:
+  """(step, member, length) of a chunk's header, checked: its types, its
+  group, the member and step the connection's handshake was bound to, and
+  its length against the one this receiver computes from the member's byte
+  count. Raises ValueError naming what is wrong, before any byte is taken."""
+  if not isinstance(header, dict):
+    raise ValueError(f"a header that is a {type(header).__name__}")
+  step, i, nbytes, length = (header.get(f) for f in ("step", "member", "nbytes", "length"))
+  k = len(group)
+  if not all(type(v) is int and v >= 0 for v in (step, i, nbytes, length)):
+    raise ValueError(f"a malformed chunk header {str(header)[:200]}")
+  if header.get("group") != group or i == me or not i < k:
+    raise ValueError(
+      f"a chunk from member {i} of group {header.get('group')!r:.80}, not of {group}"
+    )
+  if (i, step) != (claim.get("sender"), claim.get("step")):
+    raise ValueError(
+      f"the header names member {i} step {step}; the connection was opened for"
+      f" member {claim.get('sender')} step {claim.get('step')}"
+    )
+  want = xp.chunk(nbytes, k, xp.assigned(i, me, k))[1]
+  if length != want:
+    raise ValueError(f"member {i} announces a chunk of {length} bytes; its {nbytes} make {want}")
+  return step, i, length
+
+
+def _checked_manifest(raw: bytes, header: dict, process: int) -> dict:
+  """A chunk's trailer manifest, decoded and checked (local/format.py's
+  schema) and against its header: the step, the writer and its byte count.
+  Raises CorruptCheckpointError (or ValueError) naming the mismatch."""
+  body = local_format.decode_manifest(raw, f"member {header['member']}'s trailer")
+  got = (body.get("step"), body.get("process_index"), body.get("nbytes"))
+  if got != (header["step"], process, header["nbytes"]):
+    raise ValueError(
+      f"member {header['member']}'s manifest names step, process, bytes {got}; its header"
+      f" {(header['step'], process, header['nbytes'])}"
+    )
+  return body

@@ -32,6 +32,7 @@ from emergency_ckpt.errors import CollectiveTimeoutError, PeerTransferError
 from emergency_ckpt.local import format as local_format
 from emergency_ckpt.local.format import LocalStep
 from emergency_ckpt.redundancy import xor as xor_lib
+from emergency_ckpt.transport.listener import Security
 
 if TYPE_CHECKING:
   from emergency_ckpt.cluster.context import JobContext
@@ -122,6 +123,7 @@ def rebuild(
         timeout_s=timeout_s,
         log_prefix=topology.log_prefix(),
         ports=ctx.options.peer.port_range,
+        security=Security.of(ctx.options.peer),
       )
       servers.append(server)
       payload.update({f"d{sp}": server.offer() for sp, _ in serving})

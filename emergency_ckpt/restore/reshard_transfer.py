@@ -34,6 +34,7 @@ from emergency_ckpt.local.format import LocalStep, checksum_ok
 from emergency_ckpt.restore import reshard_rebuild
 from emergency_ckpt.runtime.buffers import aligned_empty
 from emergency_ckpt.transport import protocol, stream
+from emergency_ckpt.transport.listener import Security
 
 if TYPE_CHECKING:
   from emergency_ckpt.cluster.context import JobContext
@@ -173,6 +174,7 @@ def transfer(
             log_prefix=topology.log_prefix(),
             ports=ctx.options.peer.port_range,
             unverified=loose,
+            security=Security.of(ctx.options.peer),
           )
         )
         offer = servers[-1].offer()

@@ -37,6 +37,7 @@ from emergency_ckpt.local.format import LocalStep
 from emergency_ckpt.persistent import share as persistent_share
 from emergency_ckpt.restore import plan as restore_plan
 from emergency_ckpt.restore import reshard_transfer
+from emergency_ckpt.transport.listener import Security
 
 if TYPE_CHECKING:
   import numpy as np
@@ -354,6 +355,7 @@ class Sources:
         timeout_s=options.collective_timeout_s,
         ports=options.peer.port_range,
         readers=options.persistent.shared_read_slices,
+        security=Security.of(options.peer),
       )
       if arrays is not None:
         return target.tree(arrays), mine

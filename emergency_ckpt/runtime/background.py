@@ -20,6 +20,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from emergency_ckpt.runtime.serial import SerialExecutor
+
 logger = logging.getLogger("emergency_ckpt")
 
 BACKGROUND_NICE = 19
@@ -42,7 +44,7 @@ def lower_thread_priority() -> None:
     logger.debug("cannot lower the priority of %s: %s", threading.current_thread().name, e)
 
 
-class Lane(concurrent.futures.ThreadPoolExecutor):
+class Lane(SerialExecutor):
   """One lane: a serial executor (one thread) that remembers its last task,
   so that waiting for what is queued costs nothing on an idle lane. A no-op
   task to wait for would start the lane's thread if it has none, or hand off
@@ -56,7 +58,7 @@ class Lane(concurrent.futures.ThreadPoolExecutor):
       name: its thread's name prefix.
       initializer: run by its thread as it starts (e.g. lower_thread_priority).
     """
-    super().__init__(1, name, initializer=initializer)
+    super().__init__(name, initializer)
     self._last_lock = threading.Lock()
     self._last: concurrent.futures.Future | None = None
 
@@ -181,16 +183,22 @@ class Background:
       self._pending.append(fut)
     fut.add_done_callback(done)
 
-  def raise_errors(self) -> None:
+  def raise_errors(self, only: tuple[type[BaseException], ...] | None = None) -> None:
     """Raises the first error of a tracked task not raised yet.
+
+    Args:
+      only: raise only an error of these types (the others stay, for a
+        later call without `only`); None: any.
 
     Raises:
       That error, once.
     """
     with self._lock:
-      errors, self._errors = self._errors, []
-    if errors:
-      raise errors[0]
+      pick = [e for e in self._errors if only is None or isinstance(e, only)]
+      if pick:
+        self._errors = [e for e in self._errors if e is not pick[0]]
+    if pick:
+      raise pick[0]
 
   def _pending_now(self) -> list[concurrent.futures.Future]:
     with self._lock:

@@ -14,7 +14,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from emergency_ckpt.errors import PeerTransferError
-from emergency_ckpt.local import format as local_format
 
 if TYPE_CHECKING:
   from emergency_ckpt.cluster.context import JobContext
@@ -81,7 +80,7 @@ class Protection:
       result = write.result()
       if not result.ok:
         raise OSError(f"the local write failed: {result.error}")
-      return local_format.raw_manifest(self._local.step_dir(step))
+      return result.manifest  # read right after the write: the step may be gone by now
 
     nbytes, error = None, None
     try:

@@ -4,8 +4,10 @@ A process's file holds its data state and, at a persistent step on the
 primary slice, the CRC32C of its shards (shard_records.py); each payload
 carries the CRC32 of its canonical JSON, so a torn or edited file is found
 where it is read instead of loaded. The COMMIT record lists the files and
-carries the step's metrics and info; it is valid iff its format, its step
-and a process count >= 1 check out (anything else reads as uncommitted).
+carries the step's metrics and info; it is valid iff its format, its step,
+a process count >= 1 and the types of the fields readers use check out
+(anything else reads as uncommitted). Nothing read is trusted: a field of
+the wrong type is damage (CorruptCheckpointError), never an AttributeError.
 
 Pure encoding and decoding, no I/O. Called by: store.py.
 """
@@ -18,6 +20,7 @@ from typing import Any
 
 from emergency_ckpt.core import layout
 from emergency_ckpt.errors import CorruptCheckpointError
+from emergency_ckpt.local import format as local_format
 from emergency_ckpt.state.shard_records import canonical
 
 FORMAT = "emergency_ckpt.state/1"
@@ -81,10 +84,15 @@ def decode_verified(raw: bytes, step: int, key: str, crc_key: str, where: Any) -
       and doc.get("step") == step
       and zlib.crc32(canonical(value)) == doc.get(crc_key)
     )
-  except (ValueError, KeyError, TypeError) as e:
+  except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
     raise CorruptCheckpointError(f"{where} is unreadable ({type(e).__name__}: {e})") from None
   if not ok:
     raise CorruptCheckpointError(f"{where} fails its checksum (torn or edited)")
+  for name in ("process_index", "process_count"):
+    if local_format.field(doc, name, int, str(where), 0) < 0:
+      raise CorruptCheckpointError(f"{where}: {name} is negative")
+  if key == "shard_crc32c":
+    local_format.field(doc, key, dict, str(where))
   return value
 
 
@@ -127,7 +135,7 @@ def decode_commit(raw: bytes, step: int) -> dict | None:
   """
   try:
     doc = json.loads(raw)
-  except ValueError:
+  except (ValueError, RecursionError):
     return None
   if not isinstance(doc, dict):
     return None
@@ -135,8 +143,24 @@ def decode_commit(raw: bytes, step: int) -> dict | None:
   valid = (
     doc.get("format") == FORMAT
     and doc.get("step") == step
-    and isinstance(count, int)
-    and not isinstance(count, bool)
+    and local_format.is_a(count, int)
     and count >= 1
   )
-  return doc if valid else None
+  return doc if valid and _commit_shape_ok(doc) else None
+
+
+def _commit_shape_ok(doc: dict) -> bool:
+  """Whether a COMMIT's fields a reader uses have their types: files (names),
+  committed_at, metrics and info (objects), info's topology (an object) and
+  saved_at (a number). A record that fails reads as uncommitted."""
+  try:
+    files = local_format.field(doc, "files", list, "COMMIT", [])
+    local_format.field(doc, "committed_at", float, "COMMIT", None)
+    local_format.field(doc, "metrics", dict, "COMMIT", None)
+    info = local_format.field(doc, "info", dict, "COMMIT", None) or {}
+    topology = local_format.field(info, "topology", dict, "COMMIT", None) or {}
+    local_format.field(info, "saved_at", float, "COMMIT", None)
+    local_format.check_topology(topology, "COMMIT")
+  except CorruptCheckpointError:
+    return False
+  return all(isinstance(f, str) for f in files)

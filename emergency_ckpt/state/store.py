@@ -65,6 +65,16 @@ def _read_verified(path: epath.Path, step: int, key: str, crc_key: str) -> Any:
   return state_format.decode_verified(raw, step, key, crc_key, path)
 
 
+def _parsed(parse: Callable[..., Any], *args: Any) -> Any:
+  """parse(*args), whose last argument names the file: any error of the
+  document's shape (a list for an object, an infinite index) is damage,
+  CorruptCheckpointError naming the file, never an untyped error."""
+  try:
+    return parse(*args)
+  except (ArithmeticError, AttributeError, IndexError, KeyError, TypeError, ValueError) as e:
+    raise CorruptCheckpointError(f"{args[-1]} is malformed ({type(e).__name__}: {e})") from None
+
+
 class StateStore:
   """The JSON-per-process store under one root (local path or gs://).
 
@@ -146,9 +156,9 @@ class StateStore:
       ) from None
     except StorageError:
       raise
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
       raise CorruptCheckpointError(f"{path} is unreadable ({e})") from None
-    table = shard_records.parse_table(doc, step, path)
+    table = _parsed(shard_records.parse_table, doc, step, path)
 
     def fetch(processes: list[int]) -> dict:
       docs = _concurrently(lambda p: self._shard_crcs(step, p, count), processes)
@@ -159,7 +169,7 @@ class StateStore:
   def _shard_crcs(self, step: int, process: int, count: int) -> dict:
     path = self.step_dir(step) / layout.state_file_name(process, count)
     raw = _read_verified(path, step, "shard_crc32c", "shard_crc32c_crc32")
-    return shard_records.parse_crcs(raw, path)
+    return _parsed(shard_records.parse_crcs, raw, path)
 
   def missing(self, step: int, count: int | None = None) -> list[int]:
     """Processes whose file for a step is absent: one fresh listing of its folder.

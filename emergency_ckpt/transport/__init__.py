@@ -18,7 +18,7 @@ from typing import Any
 
 from emergency_ckpt.cluster.topology import peer_host
 from emergency_ckpt.local.format import LocalStep
-from emergency_ckpt.transport import collective, stream
+from emergency_ckpt.transport import collective, protocol, stream
 from emergency_ckpt.transport.routing import check_peer_compatible
 
 __all__ = ["check_peer_compatible", "transfer"]
@@ -75,6 +75,7 @@ def transfer(
       host=peer_host(options.host) if mine is not None else None,
       timeout_s=timeout_s,
       ports=options.port_range,
+      security=protocol.Security.of(options),
     )
   return collective.transfer(
     abstract,

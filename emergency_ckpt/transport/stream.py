@@ -21,8 +21,11 @@ TCP) and stays available (peer.transport = "collective") for networks where
 hosts cannot open ports to each other.
 
 Security: every process of an intact slice listens during the transfer
-only, and serves only a client that presents the token it published
-(protocol.py: the handshake and framing; nothing received is executed).
+only, with a fresh secret published through the coordination service;
+both ends prove they hold it (handshake.py), and every header and every
+shard carries a MAC under the connection's key (session.py), so a shard
+changed on the wire fails even when its CRC32C was fixed too
+(CorruptCheckpointError). Nothing received is executed.
 
 Agreement: after the bytes, one exchange (only failures are sent) tells
 every process whether every receiver got everything; if not, every process
@@ -41,7 +44,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
-import socket
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -64,7 +66,9 @@ def _index_key(index) -> tuple[tuple[int, int], ...]:
 
 class Server(protocol.Listener):
   """Serves this process's verified shards of one step to receivers that
-  present its token, until close(). Per process; no collective."""
+  prove they hold its secret, until close(). Per process; no collective."""
+
+  _purpose = "restore"
 
   def __init__(
     self,
@@ -77,6 +81,7 @@ class Server(protocol.Listener):
     ports: tuple[int, int] | None = None,
     ready: Mapping[tuple[int, tuple], concurrent.futures.Future] | None = None,
     unverified: set[tuple[int, tuple]] = frozenset(),
+    security: protocol.Security | None = None,
   ):
     """Listens at once (Raises OSError if it cannot).
 
@@ -94,6 +99,8 @@ class Server(protocol.Listener):
       unverified: (leaf number, index) of shards not checked yet: sent
         whole with their recorded checksum (the receiver checks it),
         checked here first before a part of one is cut.
+      security: peer.integrity and peer.encryption (None: a MAC on every
+        header and shard, no encryption).
     """
     self._ready = dict(ready or {})
     self._unverified = set(unverified)
@@ -111,16 +118,16 @@ class Server(protocol.Listener):
         raw = arr.reshape(-1).view(np.uint8)
         self._shards[(leaf_no, index)] = (raw, records[(path, index)], arr)
     self._paths = list(paths)
-    self._start(host, ports)
+    self._start(host, ports, security)
 
-  def _handle(self, conn: socket.socket) -> None:
+  def _handle(self, conn: protocol.Session) -> None:
     """One authenticated request: its shards (or byte ranges), in order."""
     try:
       if failpoints.armed("peer.refuse", self._step):
         return  # a test: the sender drops the connection
-      request = protocol.recv_json(conn)
+      request = conn.recv_json(protocol.MAX_DOCUMENT)
       reply, views, gates = self._answer(request)
-      protocol.send_json(conn, reply)
+      conn.send_json(reply)
       corrupt = failpoints.armed("peer.corrupt_send", self._step)
       for raw, gate in zip(views, gates):
         if gate is not None:
@@ -129,7 +136,7 @@ class Server(protocol.Listener):
           raw = raw.copy()
           raw[len(raw) // 2] ^= 1
           corrupt = False
-        conn.sendall(memoryview(raw))
+        conn.send_payload(raw)
     except (OSError, ValueError, TypeError, KeyError, IndexError) as e:  # a malformed request too
       logger.warning("%s peer transfer: a send failed: %s", self._prefix, e)
     except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError) as e:
@@ -179,8 +186,9 @@ def request(offer: dict, sender: int, step: int, shards: list, *, timeout_s: flo
     timeout_s: the socket timeout.
 
   Yields:
-    (socket, one record per shard: nbytes and checksum); the bytes follow
-    on the socket in that order, unchecked (the caller checks them).
+    (session, one record per shard: nbytes and checksum); the shards
+    follow in that order, each one payload (protocol.recv_into checks its
+    MAC; the caller checks its size and checksum).
 
   Raises:
     PeerTransferError: no offer, or the sender refused.
@@ -188,12 +196,16 @@ def request(offer: dict, sender: int, step: int, shards: list, *, timeout_s: flo
   """
   if "error" in offer:
     raise PeerTransferError(f"process {sender} cannot serve: {offer['error']}")
-  with protocol.connect(offer, timeout_s=timeout_s) as sock:
-    protocol.send_json(sock, {"step": step, "shards": shards})
-    reply = protocol.recv_json(sock)
+  with protocol.connect(offer, timeout_s=timeout_s, step=step) as sock:
+    sock.send_json({"step": step, "shards": shards})
+    reply = sock.recv_json(protocol.MAX_DOCUMENT)
+    if not isinstance(reply, dict):
+      raise PeerTransferError(f"process {sender} answered {type(reply).__name__}, not a reply")
     if "error" in reply:
       raise PeerTransferError(f"process {sender} refused: {reply['error']}")
     records = reply.get("shards", [])
+    if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
+      raise PeerTransferError(f"process {sender} answered malformed records")
     if len(records) != len(shards):
       raise PeerTransferError(f"process {sender} answered {len(records)} of {len(shards)} shards")
     yield sock, records
@@ -223,7 +235,7 @@ def pull(
 
   Raises:
     PeerTransferError: no offer, or the sender refused.
-    CorruptCheckpointError: a shard's size or checksum is wrong.
+    CorruptCheckpointError: a shard's size, MAC or checksum is wrong.
     OSError: the connection failed.
   """
   shards = [[leaf_no, paths[leaf_no], [list(r) for r in slot.index]] for leaf_no, slot in items]
@@ -302,6 +314,7 @@ def transfer(
   host: str | None,
   timeout_s: float,
   ports: tuple[int, int] | None = None,
+  security: protocol.Security | None = None,
 ) -> list:
   """Moves a step to the slices that lost it. Called by: every process.
 
@@ -318,6 +331,7 @@ def transfer(
     host: the address to listen on (intact slices).
     timeout_s: the socket and coordination timeout.
     ports: the port range to listen on (None: any).
+    security: peer.integrity and peer.encryption (None: the defaults).
 
   Returns:
     The step's arrays on every process: intact slices keep `local`,
@@ -333,7 +347,13 @@ def transfer(
       if host is None:
         raise OSError("no address: set peer.host (see PeerOptions)")
       server = Server(
-        host, local, paths, timeout_s=timeout_s, log_prefix=topology.log_prefix(), ports=ports
+        host,
+        local,
+        paths,
+        timeout_s=timeout_s,
+        log_prefix=topology.log_prefix(),
+        ports=ports,
+        security=security,
       )
       offer = server.offer()
     except OSError as e:

@@ -8,6 +8,7 @@ TENSORSTORE_GCS_HTTP_URL for tensorstore; `GcsProxy.env`) and add rules:
   proxy.fail(times=2, status=503, method="POST", path="uploadType=multipart")
   proxy.reset(times=1, path="/o/run%2Fstate", when="response")
   proxy.delay(0.2)                                  # every request
+  proxy.crawl(1e6)                                  # bodies both ways at 1 MB/s
   rule = proxy.hold(method="POST", path="tensors/4/")
   rule.wait_held(1); ...; rule.release()
 
@@ -54,7 +55,7 @@ from typing import Any
 HOST = "127.0.0.1"
 CONTROL = "/__proxy__/"
 ENV_VAR = "EC_GCS_FAULTS_URL"  # no "proxy" in it: JAX warns about such variables
-ACTIONS = ("fail", "reset", "hold", "delay")
+ACTIONS = ("fail", "reset", "hold", "delay", "crawl")
 _REASONS = {
   400: "Bad Request",
   401: "Unauthorized",
@@ -84,6 +85,7 @@ class Rule:
   times: int | None = None
   status: int = 503
   delay_s: float = 0.0
+  rate_bps: float = 0.0  # crawl: bytes per second each way
   when: str = "request"
   after_bytes: int = 0
   predicate: Callable[[str, str, dict[str, str]], bool] | None = None
@@ -160,6 +162,9 @@ class _Conn:
     self.upstream: socket.socket | None = None
     self.write_lock = threading.Lock()
     self.reset_after: int | None = None  # reset the client after this many response bytes
+    self.rate_bps: float = (
+      0.0  # crawl: the current request's bytes per second each way (0: full speed)
+    )
     self.closed = False
 
   # ---- reading from the client ------------------------------------------
@@ -226,6 +231,10 @@ class _Conn:
         yield part
 
   # ---- writing -------------------------------------------------------------
+  def _crawl(self, nbytes: int) -> None:
+    if self.rate_bps:
+      time.sleep(nbytes / self.rate_bps)
+
   def send_client(self, data: bytes) -> None:
     with self.write_lock:
       self.client.sendall(data)
@@ -313,6 +322,7 @@ class _Conn:
             return
           self.reset_after = limit - len(data)
         self.proxy._count("bytes_down", len(data))  # what clients read, headers included
+        self._crawl(len(data))
         self.send_client(data)
     except OSError:
       pass
@@ -356,6 +366,7 @@ class _Conn:
       self.respond(status, json.dumps(doc).encode(), method=method)
       return True
     rule = self.proxy._decide(method, target, headers)
+    self.rate_bps = self.proxy._rate(method, target, headers)
     expects = "100-continue" in headers.get("expect", "").lower()
     if rule is None:
       return self.forward(head, headers, method)
@@ -391,6 +402,7 @@ class _Conn:
     up = self.ensure_upstream()
     up.sendall(head)
     for part in self.body_chunks(headers):
+      self._crawl(len(part))
       up.sendall(part)
     self.proxy._count("forwarded")
     return True
@@ -505,6 +517,10 @@ class GcsProxy:
     """Adds `seconds` of latency to each matching request."""
     return self.add("delay", times=times, delay_s=seconds, **match)
 
+  def crawl(self, bytes_per_s: float, times: int | None = None, **match) -> Rule:
+    """Moves each matching request's body and its response at `bytes_per_s`."""
+    return self.add("crawl", times=times, rate_bps=bytes_per_s, **match)
+
   def rule(self, rule_id: int) -> Rule:
     with self._lock:
       for r in self._rules:
@@ -545,6 +561,8 @@ class GcsProxy:
       for r in self._rules:
         if not r.active or not r.matches(method, target, headers):
           continue
+        if r.action == "crawl":
+          continue  # _rate's
         if r.action == "delay":
           r.hits += 1
           delay += r.delay_s
@@ -574,6 +592,16 @@ class GcsProxy:
     if delay:
       time.sleep(delay)
     return chosen
+
+  def _rate(self, method: str, target: str, headers: dict[str, str]) -> float:
+    """The slowest matching crawl rule's bytes per second (0: none matches)."""
+    with self._lock:
+      rates = []
+      for r in self._rules:
+        if r.action == "crawl" and r.active and r.matches(method, target, headers):
+          r.hits += 1
+          rates.append(r.rate_bps)
+    return min(rates, default=0.0)
 
   def _hold(self, rule: Rule, conn: _Conn) -> bool:
     """Waits for release (True), abort or client hang-up (False)."""
@@ -653,6 +681,9 @@ class ProxyClient:
 
   def delay(self, seconds: float, times: int | None = None, **match) -> dict:
     return self.add("delay", times=times, delay_s=seconds, **match)
+
+  def crawl(self, bytes_per_s: float, times: int | None = None, **match) -> dict:
+    return self.add("crawl", times=times, rate_bps=bytes_per_s, **match)
 
   def release(self, rule_id: int | None = None) -> None:
     self._call("POST", "release", {"id": rule_id})
