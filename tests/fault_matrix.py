@@ -176,8 +176,9 @@ SCENARIOS: list[Scenario] = [
       f"sick.peer.{scheme}",
       f"1 slice x 4 processes with {scheme} redundancy at 0.5 s per step: process 1"
       " stops (SIGSTOP) for 8 s at save time",
-      "every other process trains >= 90% of its pace while it is stopped and no save()"
-      " waits for it; once it goes on, steps commit again",
+      "every other process trains >= 90% of its pace while it is stopped, no save()"
+      " waits for it and host memory stays at its budget; once it goes on, steps commit"
+      " again",
     )
     for scheme in ("partner", "xor")
   ],

@@ -35,6 +35,7 @@ def train_while_a_peer_stops(args: dict) -> dict:
   import time  # noqa: PLC0415
 
   from emergency_ckpt.demo.job_process import job_output_dir, read_pid  # noqa: PLC0415
+  from tests.outage_scenarios import _big  # noqa: PLC0415
 
   mesh = sc.mesh_for(args["slices"])
   steps, window = [], {}
@@ -52,8 +53,11 @@ def train_while_a_peer_stops(args: dict) -> dict:
 
         timer = threading.Timer(args["stop_s"], go_on)
         timer.start()
+      state = sc.make_state(mesh, step)
+      if args.get("big_mib"):  # real bytes: a copy the stopped peer cannot take at once
+        state["big"] = _big(mesh, step, args["big_mib"])
       t0 = time.monotonic()
-      mngr.save(step, sc.make_state(mesh, step), data_state=sc.data_state(step))
+      mngr.save(step, state, data_state=sc.data_state(step))
       save_s = time.monotonic() - t0
       time.sleep(max(0.0, args["step_s"] - (time.monotonic() - t_step)))
       steps.append({"step": step, "end": time.time(), "save_s": save_s})
@@ -66,4 +70,5 @@ def train_while_a_peer_stops(args: dict) -> dict:
       "window": window,
       "all_steps": mngr.all_steps(),
       "health": mngr.health().as_dict(),
+      "buffers_allocated": mngr._staging._pool.allocated,  # noqa: SLF001 - host memory
     }

@@ -177,3 +177,21 @@ def test_a_dead_jobs_lock_file_is_swept_a_live_or_recent_one_kept(tmp_path):
     w.close()
   finally:
     os.close(held)
+
+
+def test_a_process_stuck_in_its_copy_costs_one_capped_wait_not_one_per_save(tmp_path):
+  """A co-located process stopped inside save() (SIGSTOP, a wedged host
+  thread) keeps the window open: the first wait runs out, the next ones do
+  not wait at all until the window is seen closed again; then they wait
+  as before."""
+  stuck = StagingWindow("job", directory=str(tmp_path))
+  other = StagingWindow("job", directory=str(tmp_path))
+  with stuck.staging():
+    assert other.wait_closed(0.3) >= 0.3  # ran out
+    assert other.wait_closed(0.3) < 0.05  # no second full wait
+    assert other.wait_closed(0.3) < 0.05
+  assert other.wait_closed(0.3) < 0.05  # closed: seen, so the next waits are full again
+  with stuck.staging():
+    assert other.wait_closed(0.3) >= 0.3
+  stuck.close()
+  other.close()

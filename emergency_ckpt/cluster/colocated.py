@@ -130,6 +130,7 @@ class StagingWindow:
     folder = os.path.join(directory or lock_dir(), f"emergency_ckpt-{os.geteuid()}")
     self.path = os.path.join(folder, f"{job}.staging")
     self._holder = self._waiter = None
+    self._ran_out = False  # the last wait_closed gave up: a co-located process is stuck
     if job is not None and _own_private_dir(folder):
       _sweep(folder, self.path)
       self._holder = _open_own(self.path)  # shared while staging
@@ -164,7 +165,9 @@ class StagingWindow:
         fcntl.flock(self._holder, fcntl.LOCK_UN)
 
   def wait_closed(self, timeout_s: float) -> float:
-    """Blocks until no process of this job on this machine is staging.
+    """Blocks until no process of this job on this machine is staging, at
+    most `timeout_s`; not at all while the last wait ran out and the window
+    has not been seen closed since.
 
     Args:
       timeout_s: the longest wait.
@@ -175,14 +178,19 @@ class StagingWindow:
     if not self.enabled:
       return 0.0
     t0 = time.monotonic()
-    deadline = t0 + timeout_s
+    # After a wait that ran out (a co-located process stuck inside save():
+    # stopped, or wedged), only look until the window is seen closed again:
+    # one stuck process must not cost every later save its whole cap.
+    deadline = t0 + (0.0 if self._ran_out else timeout_s)
     while True:
       try:
         fcntl.flock(self._waiter, fcntl.LOCK_EX | fcntl.LOCK_NB)
         fcntl.flock(self._waiter, fcntl.LOCK_UN)
+        self._ran_out = False
         break
       except BlockingIOError:
         if time.monotonic() >= deadline:
+          self._ran_out = True
           break
         time.sleep(_POLL_S)
     return time.monotonic() - t0

@@ -83,6 +83,7 @@ class BufferPool:
     self._free: list[np.ndarray] = []
     self._holders: dict[int, int] = {}  # id(buffer) -> readers besides the write
     self._writing: set[int] = set()  # id(buffer) of buffers a local write holds
+    self.allocated = 0  # buffers made so far (host memory: each is a whole layout)
 
   def _take_free(self, nbytes: int) -> np.ndarray | None:
     with self._lock:
@@ -108,6 +109,8 @@ class BufferPool:
     buf = self._take_free(nbytes)
     if buf is None:  # the first save of a layout without preallocate(): faults in the copy
       buf = aligned_zeros(nbytes)  # zeros: the padding between shards (see preallocate)
+      with self._lock:
+        self.allocated += 1
     with self._lock:
       self._writing.add(id(buf))
     return buf
@@ -134,6 +137,7 @@ class BufferPool:
       with self._lock:
         self._preparing.discard(nbytes)
         if buf is not None:
+          self.allocated += 1
           self._free = [b for b in self._free if b.nbytes == nbytes]
           self._put_back(buf)
         self._ready.notify_all()
