@@ -106,6 +106,8 @@ class SavedLayout:
       )
     except (KeyError, TypeError, ValueError):
       return None
+    if len(sizes) != len(names):  # a shape that does not name every axis: not a layout
+      return None
     del names[replica], sizes[replica]
     if len(grid) != math.prod(sizes):
       return None

@@ -38,7 +38,7 @@ from emergency_ckpt.persistent.admission import Ticket, UploadAdmission
 from emergency_ckpt.persistent.upload_memory import upload_memory_kind
 from emergency_ckpt.save import policies
 from emergency_ckpt.save.commit import ShardSums
-from emergency_ckpt.save.protection import Protection
+from emergency_ckpt.save.protection import EarlyHold, Protection
 from emergency_ckpt.state.data_state import encode_data_state
 
 if TYPE_CHECKING:
@@ -233,12 +233,12 @@ class SavePipeline:
         link = self._redundancy
         early = link is not None and link.active and link.overlap
         # overlap: the step goes from the snapshot beside the write
-        hold = _once(snapshot.hold()) if early else None  # before the write frees it
+        hold = EarlyHold(_once(snapshot.hold())) if early else None  # before the write frees it
         self._ctx.health.begin("local", step, "write")
         try:
           write = self._local.write_async(
             snapshot,
-            on_done=lambda r: self._after_local(r, data_state, sums, on_persistent, early=early),
+            on_done=lambda r: self._after_local(r, data_state, sums, on_persistent, early=hold),
           )
         except BaseException:
           if hold is not None:
@@ -299,14 +299,14 @@ class SavePipeline:
     sums: ShardSums | None,
     persistent: bool = False,
     *,
-    early: bool = False,
+    early: EarlyHold | None = None,
   ) -> None:
     """`early`: the redundancy lane already sends the step (Protection.protect_early)
-    and queues its state."""
+    and queues its state; its snapshot is let go unless that send began."""
     self._commits.durable(result.step, "local", result.nbytes, result.error)
     link = self._redundancy
-    if early:
-      pass
+    if early is not None:
+      early.write_done()
     elif link is not None and link.active and not result.ok:
       # the group does not wait for this process's chunks until its timeout
       self._background.submit("redundancy", link.send_failed, result.step, result.error or "")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -22,6 +23,43 @@ if TYPE_CHECKING:
   from emergency_ckpt.save.tiers import LocalWriter, RedundancyLink
 
 logger = logging.getLogger("emergency_ckpt")
+
+
+class EarlyHold:
+  """The snapshot an overlapped redundancy send reads, held for it only
+  while the send may still use it: once the local write is done, a send
+  that has not started yet lets go of it (and later sends the written step
+  from the ramdisk instead), so a slow or stopped peer, which keeps the
+  redundancy lane busy, never holds the staging buffers the next save()
+  needs.
+
+  Args:
+    release: lets go of the snapshot (idempotent).
+  """
+
+  def __init__(self, release: Callable[[], None]):
+    self._release = release
+    self._lock = threading.Lock()
+    self._state = "waiting"  # then "sending" (start) or "released" (write_done)
+
+  def start(self) -> bool:
+    """The send begins: True if it may read the snapshot (held until it is sent)."""
+    with self._lock:
+      if self._state == "waiting":
+        self._state = "sending"
+      return self._state == "sending"
+
+  def write_done(self) -> None:
+    """The local write ended: lets go unless the send already began."""
+    with self._lock:
+      if self._state != "waiting":
+        return
+      self._state = "released"
+    self._release()
+
+  def __call__(self) -> None:
+    """The send is done with the bytes (or never began)."""
+    self._release()
 
 
 class Protection:
@@ -62,19 +100,30 @@ class Protection:
   def protect_early(
     self,
     snapshot: HostSnapshot,
-    hold: Callable[[], None],
+    hold: EarlyHold,
     write: concurrent.futures.Future,
     data_state: dict | None,
     sums: ShardSums | None,
     persistent: bool,
   ) -> None:
     """On the redundancy lane, beside the local write `write` of `snapshot`
-    (held by `hold` until its bytes are sent): sends the partner copy or
+    (held by `hold` until its bytes are sent; if the write ended before
+    this send began, the written step is sent instead: protect()): sends the partner copy or
     the XOR chunks from the snapshot, each followed by the manifest once
     the write is done; then, as after a write (SavePipeline._after_local), the state
     file: not if the write raised, unprotected if it failed, else
     protected()."""
     step = snapshot.step
+    if not hold.start():  # the write ended first and let go: send the written step
+      try:
+        result = write.result()
+      except Exception:  # noqa: BLE001 - raised (and reported) by the write's own future
+        return
+      if not result.ok:
+        self._commits.queue_state(step, data_state, sums)
+        return
+      self.protect(step, data_state, sums, persistent)
+      return
 
     def manifest() -> bytes:  # the senders' trailer: waits for the write
       result = write.result()
