@@ -10,9 +10,10 @@ end. Two hooks run where the interpreter starts that joining, before it:
   finish_timeout_s), so a program that never called close() still gets its
   last saves finished;
 - once any close() abandoned work (`abandoned()`), the process then ends at
-  once with os._exit: status 1 if an uncaught exception ended the main
-  thread, else 0 (a status given to sys.exit() is not seen there, and is
-  lost only in this case). Buffered output and logging are flushed first.
+  once with os._exit, status 1: its last checkpoint work did not finish,
+  and the status the program meant to exit with cannot be seen there, so a
+  failure is never turned into success. Buffered output and logging are
+  flushed first.
 
 Uses the hook the standard library's own executors use
 (threading._register_atexit, Python >= 3.9): atexit's handlers run only
@@ -42,9 +43,9 @@ def _exit_now() -> None:
     what = list(_abandoned)
   if not what:
     return
-  failed = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
   logger.warning(
-    "exiting without waiting for checkpoint work that was abandoned: %s", "; ".join(what)
+    "exiting (status 1) without waiting for checkpoint work that was abandoned: %s",
+    "; ".join(what),
   )
   for stream in (sys.stdout, sys.stderr):
     try:
@@ -52,7 +53,7 @@ def _exit_now() -> None:
     except (OSError, ValueError, AttributeError):
       pass
   logging.shutdown()
-  os._exit(1 if failed is not None else 0)
+  os._exit(1)
 
 
 def _register(fn: Any) -> bool:
