@@ -7,6 +7,7 @@ to 1,024 open files, flooded with 1,100 idle connections per listener."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -142,8 +143,10 @@ def test_a_replayed_exchange_is_refused(caplog):
     assert len(recorded) > HANDSHAKE_IN
     with socket.create_connection((server.host, server.port), timeout=10) as raw:
       raw.sendall(recorded)  # the same proof, over the listener's new nonce
-      raw.shutdown(socket.SHUT_WR)
-      assert len(_until_closed(raw)) == HANDSHAKE_IN  # the challenge, then closed: nothing served
+      with contextlib.suppress(OSError):  # the listener may have refused and closed already
+        raw.shutdown(socket.SHUT_WR)
+      assert len(_until_closed(raw)) <= HANDSHAKE_IN  # at most the challenge: nothing served
+    assert "no proof of the secret" in caplog.text  # refused as a replay
     assert _pull(server.offer(), paths, arrays) == _want(arrays)
   finally:
     server.close()
