@@ -92,6 +92,7 @@ class Rule:
   id: int = 0
   hits: int = 0  # requests this rule acted on
   held_now: int = 0
+  hung_up: int = 0  # held requests whose client went away while held
   released: bool = False
   aborted: bool = False
   _cond: threading.Condition = dataclasses.field(default_factory=threading.Condition, repr=False)
@@ -618,6 +619,8 @@ class GcsProxy:
             return True
           rule._cond.wait(0.05)
         if conn.client_gone():
+          with rule._cond:
+            rule.hung_up += 1
           return False
     finally:
       with rule._cond:
