@@ -25,42 +25,17 @@ ROUNDS = 4
 SEED_ENV, ROUNDS_ENV = "EC_SOAK_SEED", "EC_SOAK_ROUNDS"
 
 
-class KnownFinding(AssertionError):
-  """Every problem of the soak is of a kind a reported finding explains."""
-
-
-# Open findings, by kind (issue 34): seen with seed 14 when the machine is
-# loaded (steps of 23-64 ms, faster than the authenticated partner copies
-# that each commit waits for), not on every run, so their xfail is not strict:
-# any other kind of problem still fails the test.
-LAGGING_COMMITS = {
-  "retention": "with commits lagging 10 steps behind the saves, a killed job leaves that"
-  " many uncommitted state folders, and the bucket one finalized step beyond"
-  " persistent.max_to_keep",
-  "regressed": "after that, a restart restored the newest persistent step (20) although"
-  " the newest committed step (21) was on the ramdisks, undamaged",
-}
-
-# (configuration, fixed seed, the findings its fixed seed may run into)
+# (configuration, fixed seed)
 CASES = [
-  (Config(redundancy="partner", slices=1, processes=4), 11, {}),
-  (Config(redundancy="xor", slices=1, processes=4, gcs=True), 12, {}),
-  (Config(redundancy="none", slices=2, processes=4, gcs=True), 13, {}),
-  (Config(redundancy="partner", slices=2, processes=4), 14, LAGGING_COMMITS),
+  (Config(redundancy="partner", slices=1, processes=4), 11),
+  (Config(redundancy="xor", slices=1, processes=4, gcs=True), 12),
+  (Config(redundancy="none", slices=2, processes=4, gcs=True), 13),
+  (Config(redundancy="partner", slices=2, processes=4), 14),
 ]
 
 
-def _params():
-  for config, seed, known in CASES:
-    marks = []
-    if known and SEED_ENV not in os.environ:
-      reason = "; ".join(known.values())
-      marks.append(pytest.mark.xfail(strict=False, raises=KnownFinding, reason=reason))
-    yield pytest.param(config, seed, known, marks=marks, id=config.name)
-
-
-@pytest.mark.parametrize(("config", "seed", "known"), list(_params()))
-def test_fault_soak(config, seed, known, shm_dir, request, fault_matrix):
+@pytest.mark.parametrize(("config", "seed"), CASES, ids=[c.name for c, _ in CASES])
+def test_fault_soak(config, seed, shm_dir, request, fault_matrix):
   seed = int(os.environ.get(SEED_ENV, seed))
   rounds = int(os.environ.get(ROUNDS_ENV, ROUNDS))
   gcs = None
@@ -79,9 +54,5 @@ def test_fault_soak(config, seed, known, shm_dir, request, fault_matrix):
     return
   report = "\n\n".join(f["text"] for f in summary["failures"])
   kinds = {k for f in summary["failures"] for k in f["kinds"]}
-  if kinds <= set(known):
-    fault_matrix.record(
-      f"soak.{config.name}", f"seed {seed}: open findings {sorted(kinds)} (issue 34)", False
-    )
-    raise KnownFinding(f"only known findings ({sorted(kinds)}):\n{report}")
+  fault_matrix.record(f"soak.{config.name}", f"seed {seed}: {sorted(kinds)}", False)
   raise AssertionError(f"soak failed ({sorted(kinds)}), seed {seed}:\n{report}")

@@ -30,7 +30,10 @@ def one_slice():
   # sent beside the local write (the default on a training host's many cores;
   # the 2-slice test below sends after it)
   for root in _fresh_shm_dir("ectest-partner-"):
-    yield _save(root, 4, 1, redundancy_overlap=True)
+    # one save at a time: a save that finds local.max_to_keep newer steps
+    # queued behind an unsent one skips that one (save/protection.py); here
+    # every step's copy is checked
+    yield _save(root, 4, 1, redundancy_overlap=True, wait_each=True)
 
 
 def _partner_dir(args: dict, host: int, sender: int) -> str:

@@ -10,8 +10,12 @@ What must hold on every process that was not stopped:
   background lane);
 - host memory stays at its budget: the saves queued behind the stuck copy
   do not each keep a staging buffer (at most 3 ever allocated);
+- the copies queued behind the stuck one are skipped, not queued: the
+  process that sends to the stopped peer reports skipped steps in health(),
+  and its newest step is protected again;
 - afterwards the steps commit again: a step saved after the peer came back
-  is restorable.
+  is restorable, with state_commit_timeout_s at 600 s (a step a process
+  gave up is given up by the commit at once, never waited for).
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ def test_training_keeps_its_pace_while_a_peer_is_stopped(scheme, shm_dir, fault_
     "stop_at": STOP_AT,
     "stop_s": STOP_S,
     "collective_timeout_s": 30,
-    "state_commit_timeout_s": 5,
+    "state_commit_timeout_s": 600,  # a step a process gave up is given up at once
     "big_mib": 8,
     "redundancy_overlap": True,  # sent from the snapshot beside the write (many-core hosts)
   }
@@ -71,7 +75,10 @@ def test_training_keeps_its_pace_while_a_peer_is_stopped(scheme, shm_dir, fault_
   text = "\n".join(report)
   after = [s["step"] for s in results[0]["steps"] if s["end"] > end + 2]
   restorable = results[0]["all_steps"]
+  skipped = results[0]["health"][scheme]["skipped_steps"]  # process 0 sends to process 1
   ok = (
+    bool(skipped)
+    and max(skipped) < STEPS
     min(paces) >= 0.9
     and max(worst_saves) < STOP_S / 4
     and max(buffers) <= 3
@@ -80,8 +87,8 @@ def test_training_keeps_its_pace_while_a_peer_is_stopped(scheme, shm_dir, fault_
   fault_matrix.check(
     f"sick.peer.{scheme}",
     f"{min(paces):.0%}-{max(paces):.0%} of the pace while stopped; worst save()"
-    f" {max(worst_saves) * 1e3:.0f} ms; at most {max(buffers)} staging buffers; restorable"
-    f" afterwards: {restorable}",
+    f" {max(worst_saves) * 1e3:.0f} ms; at most {max(buffers)} staging buffers; copies skipped"
+    f" (not queued) {len(skipped)}; restorable afterwards: {restorable}",
     ok,
   )
   print(text)

@@ -34,7 +34,10 @@ def one_slice():
   # sent beside the local write (the default on a training host's many cores;
   # the 2-slice test below sends after it)
   for root in _fresh_shm_dir("ectest-xor-"):
-    yield _save(root, 4, 1, redundancy_overlap=True)
+    # one save at a time: a save that finds local.max_to_keep newer steps
+    # queued behind an unsent one skips that one (save/protection.py); here
+    # every step's copy is checked
+    yield _save(root, 4, 1, redundancy_overlap=True, wait_each=True)
 
 
 def test_each_member_keeps_the_xor_of_the_others_chunks(one_slice, shm_dir):

@@ -43,6 +43,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("emergency_ckpt")
 
+WRITTEN = "state_written_{}"
+"""The counter of state files written for a step (the commit's hint)."""
+UNSAVED = "unsaved_{}"
+"""The flag a process raises when its save of a step must not commit."""
+
 
 @dataclasses.dataclass
 class ShardSums:
@@ -171,7 +176,13 @@ class Commits:
     )
 
   def queue_state(
-    self, step: int, data_state: dict | None, sums: ShardSums | None, *, written: bool = False
+    self,
+    step: int,
+    data_state: dict | None,
+    sums: ShardSums | None,
+    *,
+    written: bool = False,
+    unsaved: str | None = None,
   ) -> None:
     """Queues this process's state file of `step` and, on the primary, its
     COMMIT. Blocks on nothing.
@@ -182,8 +193,26 @@ class Commits:
       sums: a persistent step's shard checksum sources, or None.
       written: the local write of `step` succeeded (its manifest holds the
         shard CRC32Cs a persistent step records).
+      unsaved: why this process's save of `step` must not commit (its
+        required redundancy copy was not stored): no state file is written;
+        the primary is told (a flag, then the state counter), so its commit
+        gives the step up at once instead of waiting for the missing file.
     """
     topo, collectives = self._ctx.topology, self._ctx.collectives
+
+    if unsaved is not None:
+      if sums is not None:
+        sums.let_go()
+
+      def veto() -> None:  # the flag first: the primary reads it once the count is full
+        collectives.signal(UNSAVED.format(step))
+        collectives.count(WRITTEN.format(step), topo.process_count)
+
+      if not topo.is_primary_process:
+        self._background.submit("state-write", veto)
+      else:  # the primary gives the step up itself; the others' files go with it
+        self._background.submit("commit", self._give_up, step, unsaved)
+      return
 
     if sums is not None and written:  # the manifest's CRCs: let go of the snapshot now,
       sums.resolve(self._local)  # not when the state lane (a sick bucket) gets to it
@@ -197,16 +226,32 @@ class Commits:
         self.durable(step, "state", None, f"{type(e).__name__}: {e}")
         raise
       # the primary's commit hint; the last writer wakes its wait
-      collectives.count(f"state_written_{step}", topo.process_count)
+      collectives.count(WRITTEN.format(step), topo.process_count)
       self.durable(step, "state", None)
 
     write = self._background.submit("state-write", write_state)
     if topo.is_primary_process:
       self._background.submit("commit", self._commit, write, step, sums)
 
+  def _give_up(self, step: int, why: str) -> None:
+    """The primary: `step` will not commit (`why`); its COMMIT is never written."""
+    logger.warning("%s step %d is not committed: %s", self._ctx.topology.log_prefix(), step, why)
+    self._ctx.events.record("commit_skipped", step=step, reason=why)
+
   def _commit(self, write: concurrent.futures.Future, step: int, sums: ShardSums | None) -> None:
     topo, collectives = self._ctx.topology, self._ctx.collectives
+    timeout_s = self._ctx.options.state_commit_timeout_s
+    deadline = time.monotonic() + timeout_s
     write.result()
+    counted = collectives.wait_count(WRITTEN.format(step), topo.process_count, timeout_s=timeout_s)
+    # The counter was the commit's hint only: late writers add to a fresh one.
+    collectives.forget(count=WRITTEN.format(step))
+    if counted and collectives.flag_set(UNSAVED.format(step)):
+      collectives.forget(signal=UNSAVED.format(step))
+      if sums is not None:
+        sums.let_go()
+      self._give_up(step, "a process's save of it is incomplete (its required redundancy copy)")
+      return
     if sums is not None:  # a persistent step: its shard table, before COMMIT
       primary = topo.slice_processes[0]
       self._state.write_shard_table(
@@ -214,15 +259,10 @@ class Commits:
       )
     committed = self._state.commit(
       step,
-      timeout_s=self._ctx.options.state_commit_timeout_s,
+      timeout_s=max(0.0, deadline - time.monotonic()),
       metrics=self._records.metrics.get(step),
       info=self._records.info.get(step),
-      written=lambda timeout_s: collectives.wait_count(
-        f"state_written_{step}", topo.process_count, timeout_s=timeout_s
-      ),
     )
-    # The counter was the commit's hint only: late writers add to a fresh one.
-    collectives.forget(count=f"state_written_{step}")
     if committed:
       self.retainer.after_commit(step)
 

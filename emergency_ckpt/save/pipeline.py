@@ -246,6 +246,7 @@ class SavePipeline:
           raise
         self._background.track(write)
         if early:
+          self._protection.queued(step)
           self._background.submit(
             "redundancy",
             self._protection.protect_early,
@@ -314,6 +315,7 @@ class SavePipeline:
     elif result.ok and link is not None and link.active:
       # The partner's copy first, then the state file: the step commits
       # once its partner holds it.
+      self._protection.queued(result.step)
       self._background.submit(
         "redundancy", self._protection.protect, result.step, data_state, sums, persistent
       )

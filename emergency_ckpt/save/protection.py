@@ -2,8 +2,16 @@
 
 Runs on the redundancy lane of runtime/background.py. The step commits
 once its copy is stored; if it was not and local.redundancy_required is
-set, the state file is never written, so the step never commits, unless
+set, the process's state file is never written and the commit is told
+so (Commits.queue_state(unsaved=...)), so the step never commits, unless
 it is a persistent step (the persistent tier holds it).
+
+A slow or stopped peer never builds a queue: when a step's send is about
+to begin while a newer step already waits behind it on the lane, the older
+step is skipped (a warning, a save_skipped event, health's skipped steps),
+exactly as a redundancy failure: the newest step is the one worth
+protecting, and commits never lag the saves by more than the send in
+flight.
 """
 
 from __future__ import annotations
@@ -62,6 +70,10 @@ class EarlyHold:
     self._release()
 
 
+class _Skipped(Exception):
+  """Why a step's send was skipped (handled as a send that failed)."""
+
+
 class Protection:
   """Sends written steps to their partner or XOR group, then queues their state.
 
@@ -84,12 +96,86 @@ class Protection:
     self._commits = commits
     self._local = local
     self._redundancy = redundancy
+    self._lock = threading.Lock()
+    self._queued: set[int] = set()  # steps whose send is on the lane, not begun
+    # A send waits behind at most this many newer steps: local retention
+    # keeps max_to_keep + 1 uncommitted steps, so an older one could be
+    # deleted before its turn (and its commit would only come late).
+    self._backlog = max(1, ctx.options.local.max_to_keep or 2)
+    self._skipping = False  # the last send was skipped (one warning per run of skips)
+
+  def queued(self, step: int) -> None:
+    """Notes that `step`'s send was put on the redundancy lane (before it
+    is submitted): an older step's send that has not begun is skipped once
+    local.max_to_keep newer steps wait behind it. Called by: the save
+    pipeline."""
+    with self._lock:
+      self._queued.add(step)
+
+  def _superseded(self, step: int) -> int | None:
+    """The newest step queued behind `step`'s send if enough newer steps
+    wait that `step` is skipped, else None (send it); `step`'s send begins
+    (or is skipped) now."""
+    with self._lock:
+      self._queued.discard(step)
+      newer = sorted(s for s in self._queued if s > step)
+    if len(newer) >= self._backlog:
+      return newer[-1]
+    if self._skipping:
+      self._skipping = False
+      logger.info(
+        "%s %s copies go again from step %d",
+        self._ctx.topology.log_prefix(),
+        self._ctx.options.local.redundancy,
+        step,
+      )
+    return None
+
+  def _skip(
+    self,
+    step: int,
+    newer: int,
+    written: bool,
+    data_state: dict | None,
+    sums: ShardSums | None,
+    persistent: bool,
+  ) -> None:
+    """`step`'s send is skipped for `newer`'s: recorded, then handled as a
+    send that failed (protected())."""
+    scheme = self._ctx.options.local.redundancy
+    why = (
+      f"{self._backlog} newer step(s), up to step {newer}, were saved before this"
+      f" step's {scheme} copy could begin"
+    )
+    log = logger.info if self._skipping else logger.warning
+    self._skipping = True
+    log(
+      "%s %s copy of step %d skipped: %s (a slow or stopped peer; the newest step goes next)",
+      self._ctx.topology.log_prefix(),
+      scheme,
+      step,
+      why,
+    )
+    self._ctx.health.skip(scheme, step)
+    self._ctx.events.record("save_skipped", step=step, tier=scheme, waiting_on=why)
+    if not written:  # as after a failed write: the state says the save ended
+      self._commits.queue_state(step, data_state, sums)
+      return
+    try:
+      self._redundancy.send_failed(step, why)  # an XOR group stops waiting for it
+    except (OSError, PeerTransferError) as e:
+      logger.debug("%s send_failed(%d): %s", self._ctx.topology.log_prefix(), step, e)
+    self.protected(step, None, _Skipped(why), data_state, sums, persistent, skipped=True)
 
   def protect(
     self, step: int, data_state: dict | None, sums: ShardSums | None, persistent: bool
   ) -> None:
     """On the redundancy lane: sends the written step to the partner or
-    the XOR group, then protected()."""
+    the XOR group, then protected(); skipped if a newer step waits."""
+    newer = self._superseded(step)
+    if newer is not None:
+      self._skip(step, newer, True, data_state, sums, persistent)
+      return
     nbytes, error = None, None
     try:
       nbytes, _ = self._redundancy.send(self._local.step_dir(step))
@@ -114,6 +200,15 @@ class Protection:
     file: not if the write raised, unprotected if it failed, else
     protected()."""
     step = snapshot.step
+    newer = self._superseded(step)
+    if newer is not None:  # a newer step waits: let go, skip this one
+      hold()
+      try:
+        result = write.result()
+      except Exception:  # noqa: BLE001 - raised (and reported) by the write's own future
+        return
+      self._skip(step, newer, result.ok, data_state, sums, persistent)
+      return
     if not hold.start():  # the write ended first and let go: send the written step
       try:
         result = write.result()
@@ -159,18 +254,24 @@ class Protection:
     data_state: dict | None,
     sums: ShardSums | None,
     persistent: bool,
+    *,
+    skipped: bool = False,
   ) -> None:
     """After the redundancy send of a written step: queues the state file;
     if the copy or parity was not stored (`error`) and redundancy is
-    required, the state is never written, so the step never commits,
-    unless it is a persistent step (the persistent tier holds it: it
-    commits, its local copy unprotected)."""
+    required, the state is never written (the commit is told, so it does
+    not wait for it), so the step never commits, unless it is a persistent
+    step (the persistent tier holds it: it commits, its local copy
+    unprotected). `skipped`: the send never began (health counts it as
+    skipped, not failed)."""
     options = self._ctx.options
     scheme = options.local.redundancy
     if error is not None:
-      self._commits.durable(step, scheme, None, f"{type(error).__name__}: {error}")
+      why = f"{type(error).__name__}: {error}"
+      if not skipped:  # a skip is health's skipped step, not a failure
+        self._commits.durable(step, scheme, None, why)
       if options.local.redundancy_required and not persistent:
-        logger.error(
+        (logger.info if skipped else logger.error)(
           "%s step %d will not commit: its %s copy was not stored (%s);"
           " local.redundancy_required=False lets steps commit without it",
           self._ctx.topology.log_prefix(),
@@ -178,8 +279,7 @@ class Protection:
           scheme,
           error,
         )
-        if sums is not None:
-          sums.let_go()
+        self._commits.queue_state(step, data_state, sums, unsaved=f"its {scheme} copy: {why}")
         return
     else:
       self._commits.durable(step, scheme, nbytes)
