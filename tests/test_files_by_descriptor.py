@@ -1,20 +1,28 @@
 """Files by descriptor (issue 37, item 4): a symlink swapped in between a
 deletion's plan and its act never redirects it outside the local root; every
-ancestor of the ramdisk root is checked; an all-interfaces peer.host is
+ancestor of the ramdisk root is checked; the default ramdisk root is each
+user's own and a squatted one is refused; an all-interfaces peer.host is
 refused unless allowed.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 
+import jax
+import numpy as np
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
+import emergency_ckpt as ec
+from emergency_ckpt import options as options_lib
 from emergency_ckpt.errors import InvalidOptionsError, UnsafeDirectoryError
 from emergency_ckpt.local import folders
 from emergency_ckpt.local import owner as local_owner
-from emergency_ckpt.options import PeerOptions
+from emergency_ckpt.options import LocalTierOptions, PeerOptions
 
 
 def _step(parent: str, step: int) -> str:
@@ -139,6 +147,52 @@ def test_an_ancestor_of_another_user_is_refused(tmp_path):
 
 def test_the_real_shm_root_passes():
   local_owner.check_ancestors("/dev/shm/emergency_ckpt_probe/run")
+
+
+# ---- the default ramdisk root: each user's own ----------------------------------------
+def test_the_default_root_is_each_users_own(monkeypatch):
+  mine = LocalTierOptions().root
+  assert mine == f"/dev/shm/emergency_ckpt-{os.getuid()}"
+  monkeypatch.setattr(options_lib.os, "getuid", lambda: 4242)
+  assert LocalTierOptions().root == "/dev/shm/emergency_ckpt-4242" != mine
+  assert LocalTierOptions(directory="/dev/shm/x").root == "/dev/shm/x"
+
+
+def test_a_manager_without_a_directory_saves_and_restores_in_the_users_root(tmp_path, mesh):
+  run_id = f"default-root-{os.getpid()}"
+  where = os.path.join(LocalTierOptions().root, run_id)
+  options = ec.CheckpointManagerOptions(
+    local=ec.LocalTierOptions(save_interval_steps=1),
+    persistent=ec.PersistentTierOptions(directory=str(tmp_path / "p"), save_interval_steps=100),
+    run_id=run_id,
+  )
+  sharding = NamedSharding(mesh, P())
+  state = {"w": jax.device_put(np.arange(8, dtype=np.float32), sharding)}
+  try:
+    with ec.CheckpointManager(options, mesh=mesh) as mngr:
+      mngr.save(1, state)
+    assert os.path.isdir(os.path.join(where, "process_0", "step_1"))
+    assert os.stat(LocalTierOptions().root).st_mode & 0o777 == 0o700
+    with ec.CheckpointManager(options, mesh=mesh) as mngr:
+      got = mngr.restore({"w": jax.ShapeDtypeStruct((8,), np.float32, sharding=sharding)})
+    assert got.step == 1 and got.source == "local"
+    np.testing.assert_array_equal(np.asarray(got.state["w"]), np.arange(8, dtype=np.float32))
+  finally:
+    shutil.rmtree(where, ignore_errors=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown needs root")
+def test_a_default_root_squatted_by_another_user_is_refused(monkeypatch):
+  monkeypatch.setattr(options_lib.os, "getuid", lambda: 4343)  # a user with no folder yet
+  root = LocalTierOptions().root
+  os.makedirs(root, mode=0o1777)
+  try:
+    os.chmod(root, 0o1777)  # sticky and open, as a squatter would leave it
+    os.chown(root, 4242, 4242)
+    with pytest.raises(UnsafeDirectoryError, match="uid 4242"):
+      local_owner.secure_makedirs(root, shared_ok=True)
+  finally:
+    os.rmdir(root)
 
 
 # ---- peer.host -----------------------------------------------------------------------

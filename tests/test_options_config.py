@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 import textwrap
 
 import pytest
@@ -77,7 +78,7 @@ INVALID = [
     "local.staging_buffers",
   ),
   ("local_dir_empty", lambda: LocalTierOptions(directory=""), "local.directory"),
-  ("local_dir_none", lambda: LocalTierOptions(directory=None), "local.directory"),
+  ("local_dir_int", lambda: LocalTierOptions(directory=5), "local.directory"),
   ("local_dir_url", lambda: LocalTierOptions(directory="gs://bucket/ckpt"), "local.directory"),
   (
     "local_dir_file_url",
@@ -404,7 +405,6 @@ def test_env_vars_expand_in_strings(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
   "yaml_text,key",
   [
-    ("persistent: {directory: /p}\nlocal: {save_interval_steps: 3}\n", "local.directory"),
     ("local: {directory: /l}\n", "persistent"),
     ("local: {directory: /l}\npersistent: {max_to_keep: 2}\n", "persistent.directory"),
     ("", "local"),
@@ -415,6 +415,14 @@ def test_missing_required_key(tmp_path, yaml_text, key):
     load_config(write(tmp_path, yaml_text))
   assert "missing" in str(info.value)
   assert key in str(info.value)
+
+
+def test_without_a_local_directory_the_root_is_the_users_own(tmp_path):
+  got = load_config(
+    write(tmp_path, "persistent: {directory: /p}\nlocal: {save_interval_steps: 3}\n")
+  )
+  assert got.local.directory is None
+  assert got.local.root == f"/dev/shm/emergency_ckpt-{os.getuid()}"
 
 
 def test_section_not_a_mapping(tmp_path):

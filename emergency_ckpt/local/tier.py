@@ -85,9 +85,9 @@ class LocalTier:
     self._topology = topology
     self._run_id = run_id
     self.directory = layout.process_dir(
-      os.path.abspath(options.directory), run_id, topology.process_index
+      os.path.abspath(options.root), run_id, topology.process_index
     )
-    local_owner.secure_makedirs(options.directory, shared_ok=True)  # may be /dev/shm itself
+    local_owner.secure_makedirs(options.root, shared_ok=True)  # may be /dev/shm itself
     for p in (os.path.dirname(self.directory), self.directory):
       local_owner.secure_makedirs(p)
     self._own_background = background is None

@@ -11,8 +11,18 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
+import tempfile
 
 from emergency_ckpt.options import checks as option_checks
+
+
+def default_local_root() -> str:
+  """This user's own ramdisk folder: /dev/shm/emergency_ckpt-<uid> (the
+  temporary directory where there is no /dev/shm)."""
+  base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+  return os.path.join(base, f"emergency_ckpt-{os.getuid()}")
+
 
 REDUNDANCY_OVERLAP_MIN_CPUS = 8  # local.redundancy_overlap=None: overlap from this many cores
 
@@ -21,11 +31,15 @@ REDUNDANCY_OVERLAP_MIN_CPUS = 8  # local.redundancy_overlap=None: overlap from t
 class LocalTierOptions:
   """Frequent saves of every process's own shards to a node-local ramdisk."""
 
-  directory: str
-  """Node-local directory (e.g. /dev/shm/ckpt). Required: no default, since
-  only the operator knows which ramdisk each host has. May differ per
-  process; a process only ever reads its own. Created with mode 0700 if
-  missing. A non-empty path, not a URL."""
+  directory: str | None = None
+  """Node-local directory (e.g. /dev/shm/ckpt). May differ per process; a
+  process only ever reads its own. Created with mode 0700 if missing; every
+  folder above it must be root's or this user's (a shared sticky root such
+  as /dev/shm is accepted). A non-empty path, not a URL. Default None: this
+  user's own folder on the ramdisk, `/dev/shm/emergency_ckpt-<uid>` (the
+  temporary directory where there is no /dev/shm), so users of one machine
+  never share a run folder, and one squatted by another user is refused
+  (UnsafeDirectoryError), never written through. `root` is the folder used."""
 
   save_interval_steps: int = 10
   """Save when step % save_interval_steps == 0. Default 10: local saves are
@@ -111,6 +125,11 @@ class LocalTierOptions:
 
   def __post_init__(self):
     option_checks.check_local(self)
+
+  @property
+  def root(self) -> str:
+    """The local directory in use: `directory`, or this user's default."""
+    return self.directory if self.directory is not None else default_local_root()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

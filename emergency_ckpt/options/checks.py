@@ -110,11 +110,12 @@ def check_local(o: Any) -> None:
     InvalidOptionsError: naming the first impossible field.
   """
   require(
-    isinstance(o.directory, str) and bool(o.directory),
-    "local.directory must be a non-empty path string (e.g. /dev/shm/ckpt).",
+    o.directory is None or (isinstance(o.directory, str) and bool(o.directory)),
+    "local.directory must be a non-empty path string (e.g. /dev/shm/ckpt), or None"
+    " (this user's own folder on the ramdisk).",
   )
   require(
-    "://" not in o.directory,
+    o.directory is None or "://" not in o.directory,
     f"local.directory={o.directory!r} must be a node-local path, not a URL.",
   )
   positive_int(o.save_interval_steps, "local.save_interval_steps")
