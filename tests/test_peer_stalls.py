@@ -79,7 +79,7 @@ def test_training_keeps_its_pace_while_a_peer_is_stopped(scheme, shm_dir, fault_
   ok = (
     bool(skipped)
     and max(skipped) < STEPS
-    min(paces) >= 0.9
+    and min(paces) >= 0.9
     and max(worst_saves) < STOP_S / 4
     and max(buffers) <= 3
     and any(step in restorable for step in after)
