@@ -43,6 +43,7 @@ FAULT_TESTS = [
   "tests/test_peer_stalls.py",
   "tests/test_bounded_wait.py",
   "tests/test_fault_soak.py",
+  "tests/test_hostile_restore.py",
 ]
 BITFLIP_TEST = "tests/test_local_tier.py::test_random_bit_flips_are_never_silent"
 
@@ -436,6 +437,24 @@ SCENARIOS: list[Scenario] = [
     "restart.fewer_processes_local_only",
     "as above, persistent tier deleted",
     "NoRestorableCheckpointError naming the topology mismatch",
+  ),
+  # ---- a hostile neighbour (issue 37) ----
+  _s(
+    "hostile.mitm_restore",
+    "2 slices x 1 process, step 5 also persistent; slice 1's ramdisk lost step 5, and every"
+    " peer connection of slice 1 goes through a relay that changes one byte of the first"
+    " shard in the listener's reply and fixes its CRC32C",
+    "the MAC fails the shard (CorruptCheckpointError, logged, never loaded); every process"
+    " agrees the transfer failed and reads step 5 from the persistent tier, bit-exact (values"
+    " + data_state); no untyped error",
+  ),
+  _s(
+    "hostile.forged_group",
+    "1 slice x 4 processes, local.redundancy=xor; host 1 wiped and member 3's group.json of"
+    " step 5 forged with its checksum recomputed: the members' order changed, the lost"
+    " member's size off by 8 (parity_nbytes made to agree), the body a list",
+    "the forged file is a damaged copy (no untyped error, no crash): step 5 cannot be rebuilt,"
+    " step 4 on every process, process 1 rebuilt from parity, bit-exact with its data_state",
   ),
   # ---- bad input at the API ----
   _s(

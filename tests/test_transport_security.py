@@ -16,7 +16,6 @@ import threading
 import time
 import tracemalloc
 
-import crc32c
 import numpy as np
 import pytest
 
@@ -25,9 +24,8 @@ from emergency_ckpt.errors import CorruptCheckpointError, PeerTransferError
 from emergency_ckpt.redundancy import xor_wire
 from emergency_ckpt.transport import handshake, listener, protocol, session
 from emergency_ckpt.transport import stream as peer_stream
+from tests.harness.mitm import HANDSHAKE_IN, Relay, tamper_first_shard
 from tests.test_peer_stream import _items, _local, _until_closed
-
-HANDSHAKE_IN = len(handshake.MAGIC) + handshake.NONCE_BYTES  # the listener's challenge
 
 
 def _served(integrity: str = "mac"):
@@ -84,62 +82,14 @@ def test_no_token_or_a_wrong_one_is_refused_and_the_peer_still_served(caplog):
     server.close()
 
 
-class _Relay:
-  """A TCP relay between a client and a listener: records what each side
-  sent; `tamper(bytes) -> bytes` may rewrite the listener's bytes after
-  its challenge and proof (they are forwarded as they come)."""
-
-  def __init__(self, target: tuple[str, int], tamper=None):
-    self.target, self.tamper = target, tamper
-    self.from_client, self.from_server = bytearray(), bytearray()
-    self._sock = socket.create_server(("127.0.0.1", 0))
-    self.port = self._sock.getsockname()[1]
-    self._thread = threading.Thread(target=self._run, daemon=True)
-    self._thread.start()
-
-  def _run(self):
-    client, _ = self._sock.accept()
-    server = socket.create_connection(self.target)
-    up = threading.Thread(target=self._pipe, args=(client, server, self.from_client), daemon=True)
-    up.start()
-    head = HANDSHAKE_IN + handshake.PROOF_BYTES
-    while True:
-      got = server.recv(1 << 16)
-      if not got:
-        break
-      self.from_server += got
-      if len(self.from_server) <= head:
-        client.sendall(got)
-      elif len(self.from_server) - len(got) < head:  # the rest of the handshake
-        client.sendall(got[: head - (len(self.from_server) - len(got))])
-    rest = bytes(self.from_server[head:])
-    client.sendall(self.tamper(rest) if self.tamper else rest)
-    client.close()
-    server.close()
-    up.join(5)
-
-  @staticmethod
-  def _pipe(src, dst, record):
-    try:
-      while got := src.recv(1 << 16):
-        record += got
-        dst.sendall(got)
-      dst.shutdown(socket.SHUT_WR)
-    except OSError:
-      pass
-
-  def close(self):
-    self._sock.close()
-
-
 def test_a_replayed_exchange_is_refused(caplog):
   server, paths, arrays = _served()
   try:
-    relay = _Relay((server.host, server.port))
+    relay = Relay((server.host, server.port))
     offer = dict(server.offer(), port=relay.port)
     assert _pull(offer, paths, arrays) == _want(arrays)  # recorded on the way
-    relay._thread.join(10)  # noqa: SLF001
-    recorded = bytes(relay.from_client)
+    assert relay.wait_finished(1, 10)
+    recorded = bytes(relay.exchanges[0].from_client)
     assert len(recorded) > HANDSHAKE_IN
     with socket.create_connection((server.host, server.port), timeout=10) as raw:
       raw.sendall(recorded)  # the same proof, over the listener's new nonce
@@ -155,64 +105,11 @@ def test_a_replayed_exchange_is_refused(caplog):
 # ---- a man in the middle -------------------------------------------------------------
 
 
-def _forge_crc(data: bytearray, at: int, fix: int) -> None:
-  """Flips a byte of `data` at `at`, then rewrites the 4 bytes at `fix` so
-  its CRC32C is what it was (CRC is affine over GF(2): a linear solve)."""
-  want = crc32c.crc32c(bytes(data))
-  data[at] ^= 0x5A
-  base = crc32c.crc32c(bytes(data))
-  cols = []  # the CRC change each bit at `fix` makes
-  for bit in range(32):
-    data[fix + bit // 8] ^= 1 << (bit % 8)
-    cols.append(crc32c.crc32c(bytes(data)) ^ base)
-    data[fix + bit // 8] ^= 1 << (bit % 8)
-  rows = [(cols[b], 1 << b) for b in range(32)]  # Gaussian elimination over GF(2)
-  basis: dict[int, tuple[int, int]] = {}
-  for v, combo in rows:
-    for hb in sorted(basis, reverse=True):
-      if v >> hb & 1:
-        v, combo = v ^ basis[hb][0], combo ^ basis[hb][1]
-    if v:
-      basis[v.bit_length() - 1] = (v, combo)
-  target, combo = want ^ base, 0
-  for hb in sorted(basis, reverse=True):
-    if target >> hb & 1:
-      target, combo = target ^ basis[hb][0], combo ^ basis[hb][1]
-  assert target == 0
-  for bit in range(32):
-    if combo >> bit & 1:
-      data[fix + bit // 8] ^= 1 << (bit % 8)
-  assert crc32c.crc32c(bytes(data)) == want
-
-
-def _tamper_first_shard(fix_header: bool):
-  """Rewrites the listener's reply stream: one byte of the first shard
-  changed, and its CRC32C made to match again: in the shard itself (4
-  forged bytes), or in the reply header (its record's crc32c)."""
-
-  def tamper(rest: bytes) -> bytes:
-    (n,) = struct.unpack("!I", rest[:4])
-    reply = json.loads(rest[4 : 4 + n])
-    start = 4 + n + session.TAG_BYTES
-    size = reply["shards"][0]["nbytes"]
-    shard = bytearray(rest[start : start + size])
-    if fix_header:
-      shard[10] ^= 0x5A
-      reply["shards"][0]["crc32c"] = crc32c.crc32c(bytes(shard))
-      raw = json.dumps(reply).encode()
-      head = struct.pack("!I", len(raw)) + raw + rest[4 + n : start]  # the old tag
-      return head + bytes(shard) + rest[start + size :]
-    _forge_crc(shard, 10, 100)
-    return rest[:start] + bytes(shard) + rest[start + size :]
-
-  return tamper
-
-
 @pytest.mark.parametrize("fix_header", [False, True], ids=["crc-forged-in-shard", "crc-in-header"])
 def test_a_man_in_the_middle_who_fixes_the_crc_is_detected(fix_header):
   server, paths, arrays = _served()
   try:
-    relay = _Relay((server.host, server.port), _tamper_first_shard(fix_header))
+    relay = Relay((server.host, server.port), tamper_first_shard(fix_header))
     offer = dict(server.offer(), port=relay.port)
     what = "a document fails its MAC" if fix_header else "payload bytes fail their MAC"
     with pytest.raises(CorruptCheckpointError, match=what):
@@ -228,7 +125,7 @@ def test_with_integrity_crc_a_forged_crc_passes_so_mac_is_the_default():
   assert protocol.Security().integrity == "mac"
   server, paths, arrays = _served("crc")
   try:
-    relay = _Relay((server.host, server.port), _tamper_first_shard(False))
+    relay = Relay((server.host, server.port), tamper_first_shard(False, "crc"))
     got = _pull(dict(server.offer(), port=relay.port), paths, arrays)
     assert got != _want(arrays)
   finally:
