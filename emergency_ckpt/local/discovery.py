@@ -294,9 +294,28 @@ class HostCopies:
           some = local_format.decode_manifest(
             bytes.fromhex(next(iter(body["manifests"].values()))), where
           )
-        except (OSError, CorruptCheckpointError, KeyError, TypeError, ValueError, StopIteration):
-          continue  # checked again if a rebuild needs it
+        except (
+          OSError,
+          CorruptCheckpointError,
+          KeyError,
+          TypeError,
+          ValueError,
+          IndexError,
+          StopIteration,
+        ) as e:
+          logger.warning("parity block %s unusable, skipped: %s", where, e)
+          continue
         if some.get("run_id") != self._run_id:
+          continue
+        holder = layout.process_of_dir_name(os.path.basename(os.path.normpath(folder)))
+        if holder is not None and process != holder:
+          logger.warning(
+            "parity block %s unusable, skipped: its group file names process %d as its"
+            " holder, but it lies in process %d's folder",
+            where,
+            process,
+            holder,
+          )
           continue
         copy = Copy.of({**some, "process_index": process})
         fp = some.get("topology") or {}
