@@ -64,6 +64,8 @@ class Retainer:
     self._watch_stop: threading.Event | None = None  # the newest watch's; set = give up
     self._signalled: int | None = None  # the newest committed_<step> signal raised
     self._closed = False
+    self._written: int | None = None  # the newest step written, for the queued pass
+    self._pass_queued = False
 
   # ---- ranking ---------------------------------------------------------------
   def metrics_of(self, steps) -> dict[int, dict]:
@@ -150,14 +152,24 @@ class Retainer:
     """Queues local retention after this process's local write of a step.
 
     Runs off the write thread: deleting old steps is not this save's
-    durability.
+    durability. At most one pass waits: a write while one waits joins it
+    (a slow pass, e.g. reading COMMITs from a slow bucket, never builds a
+    queue of passes behind it).
 
     Args:
       step: the step just written.
     """
-    self._background.submit("retention", self._after_write, step)
+    with self._lock:
+      self._written = step
+      if self._pass_queued:
+        return
+      self._pass_queued = True
+    self._background.submit("retention", self._after_write)
 
-  def _after_write(self, step: int) -> None:
+  def _after_write(self) -> None:
+    with self._lock:
+      self._pass_queued = False
+      step = self._written
     self.local()
     if not self._topology.is_primary_process:
       self._watch_commit(step)
