@@ -12,6 +12,7 @@ manager, before they read; no I/O.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -23,9 +24,21 @@ _FIX = "Pass the abstract_state of the train state that was saved (restore, then
 
 
 def _dtype_name(dtype: Any) -> str:
+  try:
+    return _dtype_name_cached(dtype)
+  except TypeError:  # an unhashable dtype-like
+    return _dtype_name_of(dtype)
+
+
+def _dtype_name_of(dtype: Any) -> str:
   import jax.numpy as jnp  # noqa: PLC0415 - bfloat16 & co. need jax's dtypes
 
   return str(jnp.dtype(dtype))
+
+
+@functools.lru_cache(maxsize=256)
+def _dtype_name_cached(dtype: Any) -> str:  # once per dtype, not per leaf
+  return _dtype_name_of(dtype)
 
 
 def check_tree(saved_paths: Iterable[str], paths: Sequence[str], where: Any) -> None:

@@ -1,7 +1,10 @@
 """Which shards a process holds, and where each lives in a flat host buffer.
 
 A `Layout` is computed once per (tree paths, shapes, dtypes, shardings) and
-cached: saves of the same train state reuse it and its host buffers. A
+cached: saves of the same train state reuse it and its host buffers; a
+tree's keystr paths are cached per tree structure (`leaf_paths`), so a
+save of thousands of leaves flattens and looks up, and a restore places
+every leaf in one batched device_put (`assemble_many`). A
 leaf's NamedSharding is recorded as JSON (`spec_of`) where `block_index`
 reproduces the shard each device holds, so that another mesh can reshard a
 local copy (core/reshard.py). `assemble` builds global arrays back from
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -158,6 +162,14 @@ class Layout:
 
   leaves: tuple[LeafLayout, ...]
   nbytes: int
+  state_nbytes: int = 0
+  """The leaves' global bytes (every shard of every process): the step's
+  size as the records report it."""
+  on_cpu: bool = False
+  """Every slot's devices are CPU devices (save()'s host copy is a memcpy)."""
+  whole: tuple[bool, ...] = ()
+  """Per leaf: its one slot is the whole array (a replicated leaf: the
+  array's own host value is the slot's bytes)."""
 
 
 def dtype_name(dtype) -> str:
@@ -184,8 +196,15 @@ def dtype_from_name(name: str) -> np.dtype:
   return jnp.dtype(name)
 
 
+_PATHS: dict[Any, tuple[str, ...]] = {}
+_PATHS_KEEP = 16
+_PATHS_LOCK = threading.Lock()
+
+
 def leaf_paths(tree) -> tuple[list[str], list[Any], Any]:
-  """A pytree's leaves with their paths.
+  """A pytree's leaves with their paths. The paths are computed once per
+  tree structure (a treedef fixes every key) and kept for the last
+  _PATHS_KEEP structures: a save of thousands of leaves then only flattens.
 
   Args:
     tree: the pytree.
@@ -193,26 +212,50 @@ def leaf_paths(tree) -> tuple[list[str], list[Any], Any]:
   Returns:
     (keystr paths, leaves, treedef).
   """
-  flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
-  return [jax.tree_util.keystr(p) for p, _ in flat], [x for _, x in flat], treedef
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  try:
+    with _PATHS_LOCK:
+      paths = _PATHS.get(treedef)
+  except (TypeError, ValueError):  # a node's aux data that cannot be hashed or compared
+    paths = None
+  if paths is None or len(paths) != len(leaves):
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    paths = tuple(jax.tree_util.keystr(p) for p, _ in flat)
+    leaves = [x for _, x in flat]
+    try:
+      with _PATHS_LOCK:
+        _PATHS[treedef] = paths
+        while len(_PATHS) > _PATHS_KEEP:
+          del _PATHS[next(iter(_PATHS))]
+    except (TypeError, ValueError):
+      pass
+  return list(paths), leaves, treedef
 
 
 @functools.lru_cache(maxsize=16)
 def _layout_cached(key) -> Layout:
-  leaves = []
-  offset = 0
+  leaves, whole = [], []
+  offset = state_nbytes = 0
+  on_cpu = True
+  placed: dict[tuple, tuple] = {}  # (sharding, shape): (by_index, spec), once per distinct pair
   for path, shape, dtype, sharding in key:
-    by_index: dict[Index, list[Any]] = {}
-    for device, idx in sharding.addressable_devices_indices_map(shape).items():
-      by_index.setdefault(normalize_index(idx, shape), []).append(device)
+    state_nbytes += int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    known = placed.get((sharding, shape))
+    if known is None:
+      by_index: dict[Index, list[Any]] = {}
+      for device, idx in sharding.addressable_devices_indices_map(shape).items():
+        by_index.setdefault(normalize_index(idx, shape), []).append(device)
+      known = placed[(sharding, shape)] = (by_index, _checked_spec(sharding, shape, by_index))
+    by_index, spec = known
     slots = []
     for index in sorted(by_index):
       nbytes = int(np.prod(shard_shape(index), dtype=np.int64)) * dtype.itemsize
       slots.append(ShardSlot(index, offset, nbytes, tuple(by_index[index])))
       offset += -(-nbytes // ALIGN) * ALIGN
-    spec = _checked_spec(sharding, shape, by_index)
+      on_cpu = on_cpu and all(d.platform == "cpu" for d in by_index[index])
     leaves.append(LeafLayout(path, tuple(shape), dtype, tuple(slots), spec))
-  return Layout(tuple(leaves), offset)
+    whole.append(len(slots) == 1 and shard_shape(slots[0].index) == tuple(shape))
+  return Layout(tuple(leaves), offset, state_nbytes, on_cpu, tuple(whole))
 
 
 def _checked_spec(sharding, shape, by_index: dict[Index, list[Any]]) -> list | None:
@@ -258,10 +301,13 @@ def layout_for(paths: Sequence[str], leaves: Sequence[Any]) -> Layout:
         " must be a jax.Array (and of abstract_state a jax.ShapeDtypeStruct"
         " with a sharding). Wrap scalars with jnp.asarray and device_put them."
       )
-    key.append(
-      (path, tuple(leaf.shape), np.dtype(jnp.dtype(leaf.dtype)), sharding)
-    )  # hashable, compared by value
+    key.append((path, tuple(leaf.shape), _np_dtype(leaf.dtype), sharding))  # compared by value
   return _layout_cached(tuple(key))
+
+
+@functools.lru_cache(maxsize=64)
+def _np_dtype(dtype) -> np.dtype:
+  return np.dtype(jnp.dtype(dtype))
 
 
 def view(buffer: np.ndarray, leaf: LeafLayout, slot: ShardSlot) -> np.ndarray:
@@ -309,6 +355,88 @@ def assemble(
   return jax.make_array_from_single_device_arrays(shape, sharding, placed)
 
 
+def assemble_many(
+  abstract: Sequence[Any],
+  arrays_by_index: Sequence[dict[Index, np.ndarray]],
+  memory_kind: str | None = None,
+) -> list[jax.Array]:
+  """`assemble` of many leaves, batched: each sharding's placement is
+  computed once, and every piece goes in one jax.device_put (a state of
+  thousands of small leaves otherwise pays the device_put overhead per
+  leaf). Small replicated leaves of a sharding this process addresses
+  whole (every device holds the whole array, <= SMALL_LEAF bytes; never
+  across processes: device_put would then compare the value between
+  processes) are placed as global arrays directly (a copy); the rest as
+  assemble does (on CPU, aligned pieces aliased).
+
+  Args:
+    abstract: the leaves' abstract values (shape, sharding).
+    arrays_by_index: per leaf, {shard index: host array} for this process's shards.
+    memory_kind: the devices' memory to place them in (None: default).
+
+  Returns:
+    One array per leaf.
+  """
+  placements: dict[Any, tuple] = {}
+  direct: list[int] = []
+  direct_pieces, direct_targets = [], []
+  split: list[tuple[int, Any, tuple, int, int]] = []
+  pieces: list[np.ndarray] = []
+  targets: list[Any] = []
+  for i, (a, by_index) in enumerate(zip(abstract, arrays_by_index)):
+    shape = tuple(a.shape)
+    key = (a.sharding, shape)
+    p = placements.get(key)
+    if p is None:
+      p = placements[key] = _placement(a.sharding, shape, memory_kind)
+    sharding, devices, indices, targets_of, whole = p
+    first = by_index[indices[0]] if whole else None
+    if first is not None and first.nbytes <= SMALL_LEAF:
+      direct.append(i)
+      direct_pieces.append(first)
+      direct_targets.append(sharding)
+      continue
+    split.append((i, sharding, shape, len(pieces), len(devices)))
+    pieces.extend(by_index[idx] for idx in indices)
+    targets.extend(targets_of)
+  out: list[Any] = [None] * len(arrays_by_index)
+  if direct:
+    for i, x in zip(direct, jax.device_put(direct_pieces, direct_targets)):
+      out[i] = x
+  if split:
+    placed = jax.device_put(pieces, targets, may_alias=True)
+    for i, sharding, shape, start, n in split:
+      out[i] = jax.make_array_from_single_device_arrays(shape, sharding, placed[start : start + n])
+  return out
+
+
+SMALL_LEAF = 1 << 20
+"""Replicated leaves up to this size are restored as a copy in one batched
+device_put; bigger ones alias their host bytes on CPU (no copy at all)."""
+
+
+def _placement(sharding, shape: tuple[int, ...], memory_kind: str | None) -> tuple:
+  """(sharding in `memory_kind`, addressable devices, their shard indices,
+  the single-device targets, whether a device_put of the one host value
+  to the sharding places it: default memory, fully addressable, every
+  device holding the whole array) of a leaf."""
+  devices, indices = [], []
+  for device, idx in sharding.addressable_devices_indices_map(shape).items():
+    devices.append(device)
+    indices.append(normalize_index(idx, shape))
+  targets: list[Any] = devices
+  if memory_kind is not None:
+    sharding = sharding.with_memory_kind(memory_kind)
+    targets = [jax.sharding.SingleDeviceSharding(d, memory_kind=memory_kind) for d in devices]
+  whole = (
+    memory_kind is None
+    and bool(indices)
+    and sharding.is_fully_addressable
+    and all(shard_shape(idx) == shape for idx in indices)
+  )
+  return sharding, devices, indices, targets, whole
+
+
 def assemble_buffer(abstract: Sequence[Any], layout: Layout, buffer: np.ndarray) -> list[jax.Array]:
   """Global jax.Arrays from a host buffer.
 
@@ -320,7 +448,7 @@ def assemble_buffer(abstract: Sequence[Any], layout: Layout, buffer: np.ndarray)
   Returns:
     One array per leaf.
   """
-  return [
-    assemble(a, {slot.index: view(buffer, leaf, slot) for slot in leaf.slots})
-    for a, leaf in zip(abstract, layout.leaves)
-  ]
+  return assemble_many(
+    abstract,
+    [{slot.index: view(buffer, leaf, slot) for slot in leaf.slots} for leaf in layout.leaves],
+  )

@@ -32,7 +32,7 @@ import numpy as np
 from emergency_ckpt.core import layout
 from emergency_ckpt.core import parity as xp
 from emergency_ckpt.errors import CorruptCheckpointError
-from emergency_ckpt.local import folders
+from emergency_ckpt.local import folders, schema
 from emergency_ckpt.local import format as local_format
 
 XOR_DIR = layout.XOR_DIR
@@ -181,8 +181,8 @@ def check_group(body: dict, where: str) -> None:
   manifest (hex), and the block's length against what those sizes make it.
   Called by: decode_group; no I/O. Raises CorruptCheckpointError (naming
   `where`) if a field is missing, mistyped or inconsistent."""
-  field, step = local_format.field, local_format.field(body, "step", int, where)
-  group = local_format.ints(field(body, "group", list, where), where, "group")
+  field, step = schema.field, schema.field(body, "step", int, where)
+  group = schema.ints(field(body, "group", list, where), where, "group")
   member = field(body, "member", int, where)
   if step < 0 or len(group) < 2 or len(set(group)) != len(group) or not 0 <= member < len(group):
     raise CorruptCheckpointError(f"{where}: step {step}, member {member} of group {group!r:.80}")
@@ -190,7 +190,7 @@ def check_group(body: dict, where: str) -> None:
   sizes, manifests = field(body, "sizes", dict, where), field(body, "manifests", dict, where)
   if set(sizes) != others or set(manifests) != others:
     raise CorruptCheckpointError(f"{where}: sizes or manifests do not name the other members")
-  if not all(local_format.is_a(n, int) and n >= 0 for n in sizes.values()):
+  if not all(schema.is_a(n, int) and n >= 0 for n in sizes.values()):
     raise CorruptCheckpointError(f"{where}: a member's size is not a byte count")
   for raw in manifests.values():
     try:

@@ -15,22 +15,21 @@ Any process, or an offline tool, may call these functions.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import mmap
 import os
-import re
+import threading
 import time
 import zlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import crc32c
-import ml_dtypes
 import numpy as np
 
 from emergency_ckpt.core import layout
 from emergency_ckpt.errors import CorruptCheckpointError
+from emergency_ckpt.local.schema import check_manifest
 
 if TYPE_CHECKING:  # shards imports JAX: offline tools (verify, gc) never need it
   from emergency_ckpt.core import shards as shards_lib
@@ -38,7 +37,6 @@ if TYPE_CHECKING:  # shards imports JAX: offline tools (verify, gc) never need i
 FORMAT = "emergency_ckpt.local/1"
 SHARDS = layout.SHARDS_FILE
 MANIFEST = layout.MANIFEST_FILE
-_DTYPE_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
 
 
 def shard_checksum(data) -> dict:
@@ -100,6 +98,11 @@ def decode_manifest(raw: bytes, where: str) -> dict:
   Raises:
     CorruptCheckpointError: it is torn, altered or of an unknown format.
   """
+  raw = bytes(raw)
+  with _CHECKED_LOCK:
+    known = raw in _CHECKED
+  if known:  # these very bytes passed every check below: decode only
+    return json.loads(raw)["body"]
   try:
     doc = json.loads(raw)
     body = doc["body"]
@@ -112,134 +115,23 @@ def decode_manifest(raw: bytes, where: str) -> dict:
     what = body.get("format") if isinstance(body, dict) else type(body).__name__
     raise CorruptCheckpointError(f"{where}: unknown format {what!r}")
   check_manifest(body, where)
+  if len(raw) <= _CHECKED_MAX_BYTES:
+    with _CHECKED_LOCK:
+      _CHECKED[raw] = None
+      while len(_CHECKED) > _CHECKED_KEEP:
+        del _CHECKED[next(iter(_CHECKED))]
   return body
 
 
-# ---- schema checks: what a reader uses, typed and within what it computes itself ----
-_REQUIRED = object()
-
-
-def field(doc: Any, key: str, kind: type | tuple[type, ...], where: str, default: Any = _REQUIRED):
-  """`doc[key]`, checked to be a `kind` (is_a); `default` if absent, when
-  given. Called by: every on-disk decoder (here, blocks.py, state/format.py,
-  the persistent tier's readers); no I/O. Raises CorruptCheckpointError
-  (naming `where`) if `doc` is no object, or the field is absent or mistyped."""
-  if not isinstance(doc, dict):
-    raise CorruptCheckpointError(f"{where}: expected an object, got {type(doc).__name__}")
-  if key not in doc:
-    if default is _REQUIRED:
-      raise CorruptCheckpointError(f"{where}: {key!r} is missing")
-    return default
-  value = doc[key]
-  if not is_a(value, kind):
-    raise CorruptCheckpointError(f"{where}: {key!r} is a {type(value).__name__} ({value!r:.80})")
-  return value
-
-
-def is_a(value: Any, kind: type | tuple[type, ...]) -> bool:
-  """isinstance(value, kind), where a bool is no int and an int is a float too."""
-  kinds = kind if isinstance(kind, tuple) else (kind,)
-  if isinstance(value, bool):
-    return bool in kinds
-  return isinstance(value, kinds) or (float in kinds and isinstance(value, int))
-
-
-def ints(value: Any, where: str, what: str, *, low: int = 0) -> list[int]:
-  """`value`, checked to be a list of ints >= `low` (else CorruptCheckpointError
-  naming `where` and `what`)."""
-  if not isinstance(value, list) or not all(is_a(v, int) and v >= low for v in value):
-    raise CorruptCheckpointError(f"{where}: {what} is not a list of ints >= {low} ({value!r:.80})")
-  return value
-
-
-def check_manifest(body: dict, where: str) -> None:
-  """Checks a manifest body's every field a reader uses (types, and each
-  shard's size and place against what its shape and dtype make it).
-
-  Args:
-    body: a decoded manifest body.
-    where: names it in errors.
-
-  Raises:
-    CorruptCheckpointError: a field is missing, mistyped or out of bounds.
-  """
-  if field(body, "step", int, where) < 0 or field(body, "nbytes", int, where) < 0:
-    raise CorruptCheckpointError(f"{where}: negative step or nbytes")
-  for key, kind in (("run_id", str), ("process_index", int), ("slice_index", int)):
-    field(body, key, kind, where, None)
-  field(body, "saved_at", float, where, None)
-  check_topology(field(body, "topology", dict, where, {}), where)
-  paths = set()
-  for leaf in field(body, "leaves", list, where):
-    paths.add(field(leaf, "path", str, where))
-    shape = ints(field(leaf, "shape", list, where), where, "a leaf's shape")
-    itemsize = _itemsize(field(leaf, "dtype", str, where), where)
-    spec = field(leaf, "spec", list, where, None)
-    if spec is not None and (
-      len(spec) != len(shape)
-      or not all(s is None or (isinstance(s, list) and all(is_a(a, str) for a in s)) for s in spec)
-    ):
-      raise CorruptCheckpointError(f"{where}: leaf {leaf['path']} has a malformed spec")
-    for s in field(leaf, "shards", list, where):
-      _check_shard(s, shape, itemsize, body["nbytes"], f"{where}: leaf {leaf['path']}")
-  if len(paths) != len(body["leaves"]):
-    raise CorruptCheckpointError(f"{where}: a leaf path appears twice")
-
-
-def check_topology(fp: dict, where: str) -> None:
-  """Checks the types of a recorded topology's fields (Topology.fingerprint);
-  CorruptCheckpointError naming `where` if one is mistyped."""
-  field(fp, "process_count", int, where, None)
-  for key in ("mesh_shape", "slice_grid", "process_origin"):
-    value = field(fp, key, list, where, None)
-    if value is not None:
-      ints(value, where, f"topology.{key}")
-  for procs in field(fp, "slice_processes", list, where, ()):
-    ints(procs, where, "topology.slice_processes")
-  names = field(fp, "mesh_axis_names", list, where, ())
-  if not all(is_a(n, str) for n in names):
-    raise CorruptCheckpointError(f"{where}: topology.mesh_axis_names is not a list of names")
-  field(fp, "replica_axis", (str, int), where, None)
-
-
-def _check_shard(s: Any, shape: list[int], itemsize: int, total: int, where: str) -> None:
-  index, offset, nbytes = field(s, "index", list, where), field(s, "offset", int, where), 0
-  if len(index) != len(shape):
-    raise CorruptCheckpointError(f"{where}: shard index {index!r:.80} is not of rank {len(shape)}")
-  count = 1
-  for box, dim in zip(index, shape):
-    if len(ints(box, where, "a shard index's range")) != 2 or not box[0] <= box[1] <= dim:
-      raise CorruptCheckpointError(f"{where}: shard index {index!r:.80} is outside {shape}")
-    count *= box[1] - box[0]
-  nbytes = field(s, "nbytes", int, where)
-  if nbytes != count * itemsize:
-    raise CorruptCheckpointError(
-      f"{where}: shard {index} has {nbytes} bytes; its index and dtype make {count * itemsize}"
-    )
-  if offset < 0 or offset + nbytes > total:
-    raise CorruptCheckpointError(f"{where}: shard {index} at {offset} is past the end ({total})")
-  field(s, "crc32c", int, where, None)
-  field(s, "crc32", int, where, None)
-
-
-@functools.lru_cache(maxsize=64)
-def _dtype_size(name: str) -> int | None:
-  if not _DTYPE_NAME.fullmatch(name):
-    return None
-  try:
-    dt = np.dtype(getattr(ml_dtypes, name, name))
-  except (TypeError, ValueError):
-    return None
-  return (
-    dt.itemsize if dt.kind in "biufcV" and (dt.kind != "V" or hasattr(ml_dtypes, name)) else None
-  )
-
-
-def _itemsize(name: str, where: str) -> int:
-  size = _dtype_size(name)
-  if size is None:
-    raise CorruptCheckpointError(f"{where}: unknown dtype {name!r:.80}")
-  return size
+# The last manifests that passed decode_manifest's checks, as bytes: the
+# restore reads a step's manifest more than once (discovery, then the read),
+# and a manifest of thousands of leaves costs tens of ms to check. Keyed by
+# the whole file, so a changed byte is checked afresh; each caller still gets
+# its own freshly decoded body.
+_CHECKED: dict[bytes, None] = {}
+_CHECKED_KEEP = 8
+_CHECKED_MAX_BYTES = 16 << 20
+_CHECKED_LOCK = threading.Lock()
 
 
 def read_manifest(step_dir: str) -> dict:

@@ -133,8 +133,12 @@ def _verified_shards(
   )
   out = []
   for leaf in layout.leaves:
-    rec = saved[leaf.path]
-    by_index = {tuple(tuple(r) for r in s["index"]): s for s in rec["shards"]}
+    records = saved[leaf.path]["shards"]
+    if len(records) == 1:  # most leaves: one shard (no index table to build)
+      s = records[0]
+      by_index = {tuple(map(tuple, s["index"])): s}
+    else:
+      by_index = {tuple(map(tuple, s["index"])): s for s in records}
     arrays = {}
     for slot in leaf.slots:
       s = by_index.get(slot.index)

@@ -24,7 +24,7 @@ from etils import epath
 
 from emergency_ckpt.core import gcs_retry, layout, storage
 from emergency_ckpt.errors import CorruptCheckpointError, StorageError
-from emergency_ckpt.local import format as local_format
+from emergency_ckpt.local import schema
 from emergency_ckpt.state.store import StateStore
 
 logger = logging.getLogger("emergency_ckpt")
@@ -236,7 +236,7 @@ def read_run_info(root: epath.PathLike) -> dict[str, Any] | None:
     return None
   try:  # a field of another type: as unreadable
     for key, kind in (("run_id", str), ("topology", dict), ("persistent_save_interval_steps", int)):
-      local_format.field(doc, key, (kind, type(None)), "run.json", None)
+      schema.field(doc, key, (kind, type(None)), "run.json", None)
   except CorruptCheckpointError:
     return None
   return doc

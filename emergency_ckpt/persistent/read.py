@@ -33,7 +33,7 @@ from etils import epath
 from emergency_ckpt.core import compat
 from emergency_ckpt.core import shards as shards_lib
 from emergency_ckpt.errors import CorruptCheckpointError, StateMismatchError
-from emergency_ckpt.local import format as local_format
+from emergency_ckpt.local import schema
 from emergency_ckpt.persistent import checksums
 from emergency_ckpt.runtime.buffers import aligned_empty
 from emergency_ckpt.state.shard_records import Expected, overlap
@@ -54,7 +54,7 @@ def _read_metadata(item_dir: epath.Path) -> dict:
       " Orbax metadata is damaged. Restore another step (all_steps() lists them)."
     ) from e
   for key in ("use_ocdbt", "use_zarr3", "store_array_data_equal_to_fill_value"):
-    local_format.field(meta, key, (bool, type(None)), f"{path} (damaged Orbax metadata)", None)
+    schema.field(meta, key, (bool, type(None)), f"{path} (damaged Orbax metadata)", None)
   return meta
 
 

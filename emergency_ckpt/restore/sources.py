@@ -339,8 +339,7 @@ class Sources:
       )
       return target.tree(arrays), mine
     if mine == restore_plan.LOCAL:
-      pairs = zip(target.abstract, local.arrays)
-      return target.tree([shards_lib.assemble(a, by_index) for a, by_index in pairs]), mine
+      return target.tree(shards_lib.assemble_many(target.abstract, local.arrays)), mine
     expected = self._state.expected_crcs(plan.step, loaded.saved_count or topo.process_count)
     if read_shared:  # every slice reads the persistent tier: split it
       arrays = persistent_share.read_shared(

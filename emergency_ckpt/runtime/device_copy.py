@@ -89,16 +89,23 @@ def _pinned_host(device) -> Any:
   return jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
 
 
-def off_host(shards: list[list[jax.Array]]) -> bool:
+def off_host(shards: list[list[jax.Array]] | shards_lib.Layout) -> bool:
   """Whether every shard lives in accelerator memory (its host copy is then
   a new buffer, not a view of the array).
 
   Args:
-    shards: laid out as slot_shards returns them.
+    shards: laid out as slot_shards returns them, or a Layout (its slots'
+      devices: no shard needed).
 
   Returns:
     True if none is on a CPU device.
   """
+  if isinstance(shards, shards_lib.Layout):
+    if shards.on_cpu:
+      return False
+    return all(
+      d.platform != "cpu" for leaf in shards.leaves for slot in leaf.slots for d in slot.devices
+    )
   return all(x.device.platform != "cpu" for per_leaf in shards for x in per_leaf)
 
 
@@ -130,16 +137,62 @@ def to_host(shards: list[list[jax.Array]]) -> list[list[np.ndarray]]:
 
 
 def copy_into(hosts: list[list[np.ndarray]], layout: shards_lib.Layout, buffer: np.ndarray) -> None:
-  """Copies host shards into `buffer`, each at its slot's offset.
+  """Copies host shards into `buffer`, each at its slot's offset: as bytes
+  (one memcpy, no view objects), or with np.copyto where the bytes cannot
+  be taken as they are (a strided array, a dtype without a buffer format).
 
   Args:
     hosts: host arrays, laid out as slot_shards.
     layout: the buffer's Layout.
-    buffer: the staging buffer (layout.nbytes).
+    buffer: the staging buffer (layout.nbytes, flat uint8).
   """
+  out = memoryview(buffer)
   for per_leaf, leaf in zip(hosts, layout.leaves):
     for x, slot in zip(per_leaf, leaf.slots):
+      if x.dtype == leaf.dtype and x.flags.c_contiguous and slot.nbytes:
+        try:
+          out[slot.offset : slot.offset + slot.nbytes] = memoryview(x).cast("B")
+          continue
+        except (TypeError, ValueError, BufferError):
+          pass
       np.copyto(shards_lib.view(buffer, leaf, slot), x, casting="no")
+
+
+def cpu_hosts(arrays: Sequence[jax.Array], layout: shards_lib.Layout) -> list[list[np.ndarray]]:
+  """The host values of this process's unique shards of CPU arrays (a
+  layout with on_cpu; views, not copies), laid out as slot_shards, without
+  slot_shards' per-shard objects where a leaf is replicated (the array's
+  own host value is then its one slot's bytes).
+
+  Args:
+    arrays: the state's leaves (global jax.Arrays on CPU devices).
+    layout: shards.layout_for of the same leaves.
+
+  Returns:
+    Per leaf, the host array of each slot.
+  """
+  out = []
+  for arr, leaf, whole in zip(arrays, layout.leaves, layout.whole):
+    if whole:
+      out.append([np.asarray(arr)])
+    else:
+      by_device = {s.device: s for s in arr.addressable_shards}
+      out.append([np.asarray(by_device[slot.devices[0]].data) for slot in leaf.slots])
+  return out
+
+
+def fill_from_cpu(
+  arrays: Sequence[jax.Array], layout: shards_lib.Layout, buffer: np.ndarray
+) -> None:
+  """Copies this process's unique shards of CPU arrays into `buffer`
+  (cpu_hosts, then copy_into: a memcpy per slot). Blocks on the copies.
+
+  Args:
+    arrays: the state's leaves (global jax.Arrays on CPU devices).
+    layout: shards.layout_for of the same leaves (on_cpu).
+    buffer: the staging buffer (layout.nbytes, flat uint8).
+  """
+  copy_into(cpu_hosts(arrays, layout), layout, buffer)
 
 
 def fill(shards: list[list[jax.Array]], layout: shards_lib.Layout, buffer: np.ndarray) -> None:

@@ -98,14 +98,11 @@ class HostSnapshot:
     Returns:
       One array per leaf.
     """
-    return [
-      shards_lib.assemble(
-        a,
-        {slot.index: shards_lib.view(self.buffer, leaf, slot) for slot in leaf.slots},
-        memory_kind,
-      )
-      for a, leaf in zip(abstract, self.layout.leaves)
+    by_index = [
+      {slot.index: shards_lib.view(self.buffer, leaf, slot) for slot in leaf.slots}
+      for leaf in self.layout.leaves
     ]
+    return shards_lib.assemble_many(abstract, by_index, memory_kind)
 
   def wait_others_staged(self) -> float:
     """Blocks until no process of this job on this machine is copying a step
@@ -150,17 +147,21 @@ class StagingArea:
     self._device_snapshot = device_snapshot
     self._closed = False
 
-  def reserve(self, paths: Sequence[str], arrays: Sequence[Any]) -> tuple:
+  def reserve(
+    self, paths: Sequence[str], arrays: Sequence[Any], layout: shards_lib.Layout | None = None
+  ) -> tuple:
     """A buffer for this layout, for stage(reserved=...). Blocks while every
     buffer is held by a running local write: call it before staging().
 
     Args:
       paths, arrays: the state's leaf paths and leaves.
+      layout: shards.layout_for of them, if the caller has it (else computed).
 
     Returns:
       (its Layout, the buffer).
     """
-    layout = shards_lib.layout_for(paths, arrays)
+    if layout is None:
+      layout = shards_lib.layout_for(paths, arrays)
     return layout, self._pool.acquire(layout.nbytes)
 
   def stage(
@@ -196,6 +197,10 @@ class StagingArea:
     copy into `buffer` then runs on the filler (the host copy is the
     process's own memory: the trainer may donate the arrays at once); CPU
     shards (views of the arrays) are copied here. None: `buffer` is filled."""
+    host_copy = self._filler is None or not self._device_snapshot
+    if host_copy and layout.on_cpu and not device_copy.off_host(layout):
+      device_copy.fill_from_cpu(arrays, layout, buffer)  # a memcpy: no per-shard objects
+      return None
     shards = device_copy.slot_shards(arrays, layout)
     copies = self._device_copies(step, shards)
     if copies is not None:

@@ -182,13 +182,17 @@ class SavePipeline:
     the save event (`started`: time.monotonic() when save() began)."""
     topo = self._ctx.topology
     self._records.started.put(step, started)
-    paths, leaves, treedef = shards_lib.leaf_paths(state)
+    paths, leaves, treedef = shards_lib.leaf_paths(state)  # paths cached per structure
+    # a local step stages: its (cached) layout also knows the state's bytes
+    layout = shards_lib.layout_for(paths, leaves) if decision.local else None
     self._records.metrics.put(step, metrics)
     self._records.info.put(
       step,
       {
         "topology": topo.fingerprint(),
-        "bytes": int(sum(getattr(x, "nbytes", 0) for x in leaves)),
+        "bytes": layout.state_nbytes
+        if layout is not None
+        else int(sum(getattr(x, "nbytes", 0) for x in leaves)),
         "saved_at": time.time(),
         "tiers": tiers_of(decision),
       },
@@ -212,7 +216,7 @@ class SavePipeline:
     # A persistent step is staged even without a local write: its shard
     # checksums are then summed from the snapshot (checksums.py).
     if decision.local or persistent:
-      reserved = self._staging.reserve(paths, leaves)  # may wait for a running local write
+      reserved = self._staging.reserve(paths, leaves, layout)  # may wait for a running local write
     # Co-located processes start their background work only once no process
     # of the job on this machine is inside this block; nothing in it waits
     # for this process's own background work.

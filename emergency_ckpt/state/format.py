@@ -20,7 +20,7 @@ from typing import Any
 
 from emergency_ckpt.core import layout
 from emergency_ckpt.errors import CorruptCheckpointError
-from emergency_ckpt.local import format as local_format
+from emergency_ckpt.local import schema
 from emergency_ckpt.state.shard_records import canonical
 
 FORMAT = "emergency_ckpt.state/1"
@@ -89,10 +89,10 @@ def decode_verified(raw: bytes, step: int, key: str, crc_key: str, where: Any) -
   if not ok:
     raise CorruptCheckpointError(f"{where} fails its checksum (torn or edited)")
   for name in ("process_index", "process_count"):
-    if local_format.field(doc, name, int, str(where), 0) < 0:
+    if schema.field(doc, name, int, str(where), 0) < 0:
       raise CorruptCheckpointError(f"{where}: {name} is negative")
   if key == "shard_crc32c":
-    local_format.field(doc, key, dict, str(where))
+    schema.field(doc, key, dict, str(where))
   return value
 
 
@@ -143,7 +143,7 @@ def decode_commit(raw: bytes, step: int) -> dict | None:
   valid = (
     doc.get("format") == FORMAT
     and doc.get("step") == step
-    and local_format.is_a(count, int)
+    and schema.is_a(count, int)
     and count >= 1
   )
   return doc if valid and _commit_shape_ok(doc) else None
@@ -154,13 +154,13 @@ def _commit_shape_ok(doc: dict) -> bool:
   committed_at, metrics and info (objects), info's topology (an object) and
   saved_at (a number). A record that fails reads as uncommitted."""
   try:
-    files = local_format.field(doc, "files", list, "COMMIT", [])
-    local_format.field(doc, "committed_at", float, "COMMIT", None)
-    local_format.field(doc, "metrics", dict, "COMMIT", None)
-    info = local_format.field(doc, "info", dict, "COMMIT", None) or {}
-    topology = local_format.field(info, "topology", dict, "COMMIT", None) or {}
-    local_format.field(info, "saved_at", float, "COMMIT", None)
-    local_format.check_topology(topology, "COMMIT")
+    files = schema.field(doc, "files", list, "COMMIT", [])
+    schema.field(doc, "committed_at", float, "COMMIT", None)
+    schema.field(doc, "metrics", dict, "COMMIT", None)
+    info = schema.field(doc, "info", dict, "COMMIT", None) or {}
+    topology = schema.field(info, "topology", dict, "COMMIT", None) or {}
+    schema.field(info, "saved_at", float, "COMMIT", None)
+    schema.check_topology(topology, "COMMIT")
   except CorruptCheckpointError:
     return False
   return all(isinstance(f, str) for f in files)

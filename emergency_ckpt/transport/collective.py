@@ -144,7 +144,7 @@ def transfer(
     # after its sends are done (returning earlier could let the process exit
     # or free the sources mid-transfer)
     jax.block_until_ready(outs)
-    return [shards_lib.assemble(a, by_index) for a, by_index in zip(abstract, local)]
+    return shards_lib.assemble_many(abstract, local)
   # A lost slice takes the received shards, rewrapped under exactly the
   # requested sharding (shard_map spells an equivalent one differently, and
   # device_put would reshard: a full copy).

@@ -394,5 +394,5 @@ def transfer(
       f"the transfer of step {step} to slices {list(lost)} failed: " + "; ".join(failed)
     )
   if arrays is None:  # an intact slice keeps its own verified shards
-    arrays = [shards_lib.assemble(a, by_index) for a, by_index in zip(abstract, local.arrays)]
+    arrays = shards_lib.assemble_many(abstract, local.arrays)
   return arrays
