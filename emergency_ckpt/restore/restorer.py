@@ -189,7 +189,7 @@ class Restorer:
         cand = _without_peer(cand, topo.num_slices)
       plan = restore_plan.decide(cand, statuses, topo.slice_processes)
       if plan is None:
-        why = {p: s.error for p, s in statuses.items() if s.error}
+        why = {p: s.error or _unread(s) for p, s in statuses.items() if not s.is_ok}
         logger.warning(
           "%s step %d is not restorable after verification: %s", topo.log_prefix(), cand.step, why
         )
@@ -365,3 +365,15 @@ def _without_peer(cand: restore_plan.Candidate, num_slices: int) -> restore_plan
   if len(cand.local_slices) == num_slices:
     return cand
   return restore_plan.Candidate(cand.step, (), cand.in_persistent)
+
+
+def _unread(status: restore_plan.Status) -> str:
+  """What a process without an error message could not read, in words."""
+  what = []
+  if status.local_ok is False:
+    what.append("its local copy failed verification")
+  if not status.state_ok:
+    what.append("its state file is missing or damaged")
+  if status.reshard_bad:
+    what.append(f"the copies of slices {list(status.reshard_bad)} on its host are unusable")
+  return "; ".join(what) or "not readable"
