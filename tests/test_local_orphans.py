@@ -236,3 +236,37 @@ def test_drop_unmarked_leaves_links_and_files_alone(shm_dir, kind):
     open(path, "w").close()
   assert folders.drop_unmarked(folder, "manifest.json") == []
   assert os.path.lexists(path) and os.path.isdir(os.path.join(shm_dir, "target"))
+
+
+def test_after_a_restore_newer_leftovers_of_dead_folders_go_damaged_ones_too(
+  shm_dir,
+  topo,  # noqa: F811
+  state,  # noqa: F811
+):
+  """The soak's 'orphans' finding: a dead folder's step newer than the
+  restored one, with a damaged manifest, is no copy (discovery skips it),
+  so retention never listed it; after the restore it goes, with every newer
+  step folder there (data, partner copy, parity block), the restorable ones
+  and older ones kept."""
+  dead = _killed_job_folder(shm_dir, topo, state)
+  manifest = os.path.join(dead, "step_5", "manifest.json")
+  with open(manifest, "r+b") as f:  # a flipped byte: the copy is damaged
+    f.seek(40)
+    byte = f.read(1)
+    f.seek(40)
+    f.write(bytes([byte[0] ^ 0x10]))
+  tier = make_tier(shm_dir, topo)
+  try:
+    assert tier.usable_steps()[0] == [1, 3, 4]  # step 5 damaged: no copy, never retained
+    tier.drop_newer_leftovers(3, keep={4})
+    assert sorted(n for n in os.listdir(dead) if n.startswith("step_")) == [
+      "step_1",
+      "step_3",
+      "step_4",
+    ]
+    partner = os.listdir(os.path.join(dead, "partner", "process_2"))
+    assert sorted(n for n in partner if n.startswith("step_")) == ["step_4"]
+    assert sorted(os.listdir(os.path.join(dead, "xor"))) == ["step_3", "step_4"]
+    assert tier.held_steps() == [1, 3, 4]
+  finally:
+    tier.close()

@@ -190,6 +190,24 @@ class HostCopies:
     if gone:
       self._forget(set(gone))
 
+  def drop_newer(self, restored: int, keep: Collection[int]) -> None:
+    """After a restore of `restored`: in the folders no live process holds,
+    every step folder (data, partner copy, parity block) newer than it that
+    `keep` lacks, damaged or not: a crashed incarnation's steps, which the
+    steps trained from here will replace. Failures are ignored.
+
+    Args:
+      restored: the restored step.
+      keep: the restorable steps (they stay).
+    """
+    gone = []
+    for folder in self._other_folders():
+      subs = [folder, *(f for f, _ in blocks.redundancy_folders(folder))]
+      for sub in subs:
+        gone += folders.drop_newer(sub, restored, keep)
+    if gone:
+      self._forget(set(gone))
+
   def _forget(self, gone: set[str]) -> None:
     """Drops the copies and parity blocks in the removed step folders `gone`."""
     self.sources = {s: w for s, w in self.sources.items() if w not in gone}

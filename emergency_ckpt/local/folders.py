@@ -396,10 +396,29 @@ def drop_older(folder: str, below: int, keep) -> list[str]:
   Returns:
     The paths of the removed step folders.
   """
+  return _drop(folder, lambda step: step < below and step not in keep)
+
+
+def drop_newer(folder: str, above: int, keep) -> list[str]:
+  """Removes the `step_<N>` folders with N > `above` that `keep` lacks,
+  marked, damaged or not (each renamed away first). Failures are ignored.
+
+  Args:
+    folder: a folder no live process holds, or one of its partner or XOR folders.
+    above: the newest step that stays whatever `keep` says.
+    keep: steps that stay.
+
+  Returns:
+    The paths of the removed step folders.
+  """
+  return _drop(folder, lambda step: step > above and step not in keep)
+
+
+def _drop(folder: str, doomed) -> list[str]:
   gone = []
   for name in names(folder):
     step = layout.step_of_dir_name(name)
-    if step is not None and step < below and step not in keep:
+    if step is not None and doomed(step):
       with contextlib.suppress(OSError):
         delete_local_step_dir(os.path.join(folder, name))
         gone.append(os.path.join(folder, name))

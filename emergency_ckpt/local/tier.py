@@ -29,7 +29,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from emergency_ckpt.cluster.topology import Topology
@@ -388,6 +388,12 @@ class LocalTier:
       self.delete(s, recycle=True)  # own, else a copy another process left here
     self._host.sweep(keep, doomed)
     return doomed
+
+  def drop_newer_leftovers(self, restored: int, keep: Collection[int]) -> None:
+    """After a restore of `restored`: removes the newer step folders that
+    dead processes' folders on this host hold, damaged ones included
+    (discovery.HostCopies.drop_newer); `keep` (restorable steps) stays."""
+    self._host.drop_newer(restored, keep)
 
   def close(self) -> None:
     """Waits for writes, then removes the spares and lets go of the folder."""

@@ -261,6 +261,7 @@ class Restorer:
     for step in self._local.held_steps():
       if step > restored and step not in restorable:
         self._local.delete(step)
+    self._local.drop_newer_leftovers(restored, restorable)  # damaged ones too
     doomed = [s for s in uncommitted if s > restored]
     if not doomed:
       return

@@ -14,7 +14,7 @@ them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -54,6 +54,8 @@ class LocalSource(Protocol):
   def xor_files(self, where: str, parity: Parity) -> dict[tuple[int, str], Any]: ...
 
   def delete(self, step: int) -> None: ...
+
+  def drop_newer_leftovers(self, restored: int, keep: Collection[int]) -> None: ...
 
 
 class PersistentSource(Protocol):
