@@ -401,7 +401,7 @@ def assemble_many(
     targets.extend(targets_of)
   out: list[Any] = [None] * len(arrays_by_index)
   if direct:
-    for i, x in zip(direct, jax.device_put(direct_pieces, direct_targets)):
+    for i, x in zip(direct, jax.device_put(direct_pieces, direct_targets, may_alias=False)):
       out[i] = x
   if split:
     placed = jax.device_put(pieces, targets, may_alias=True)
