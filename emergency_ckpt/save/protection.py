@@ -101,7 +101,7 @@ class Protection:
     # A send waits behind at most this many newer steps: local retention
     # keeps max_to_keep + 1 uncommitted steps, so an older one could be
     # deleted before its turn (and its commit would only come late).
-    self._backlog = max(1, ctx.options.local.max_to_keep or 2)
+    self._backlog = ctx.options.local.max_to_keep  # an integer >= 1
     self._skipping = False  # the last send was skipped (one warning per run of skips)
 
   def queued(self, step: int) -> None:
