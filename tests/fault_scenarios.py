@@ -595,3 +595,25 @@ def sleep_then_return(args: dict) -> int:
   """Sleeps args['sleep_s'][process] seconds, then returns the process index."""
   time.sleep(args["sleep_s"][me()])
   return me()
+
+
+# ---- commits that lag the saves ----------------------------------------------------
+
+
+def commit_lag_run(args: dict) -> dict:
+  """Phase "save": saves args['steps'], args['pace_s'] apart, while the
+  primary's commit of one step lags and the primary dies after a later
+  commit (EC_FAILPOINTS); the other processes wait to be torn down. Phase
+  "restore": restores and reports what came back."""
+  mesh = sc.mesh_for(args["slices"])
+  out: dict[str, Any] = {"process": me()}
+  if args["phase"] == "save":
+    mngr = ec.CheckpointManager(sc.options(args), mesh=mesh)
+    for step in args["steps"]:
+      mngr.save(step, make_state(mesh, step), data_state=sc.data_state(step))
+      time.sleep(args["pace_s"])
+    time.sleep(600)  # the primary's failpoint ends the job
+    return out
+  with ec.CheckpointManager(sc.options(args), mesh=mesh) as mngr:
+    out.update(_restore_record(mngr, mesh))
+  return out

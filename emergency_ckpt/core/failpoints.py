@@ -3,13 +3,15 @@
 Set EC_FAILPOINTS="name@step[:action][,name@step[:action]...]" (e.g.
 "local.mid_write@3") in a process's environment; `hit(name, step)` then acts
 there. Actions: `kill` (the default: SIGKILL, exactly as a preempted host
-dies) and `stop` (SIGSTOP: the process hangs there for good, as a wedged host
-does, until something sends it SIGKILL). Unset (production), `hit` is
-one dict lookup.
+dies), `stop` (SIGSTOP: the process hangs there for good, as a wedged host
+does, until something sends it SIGKILL) and `sleepN` (this thread waits N
+seconds there and goes on, as a slow disk or scheduler makes it). Unset
+(production), `hit` is one dict lookup.
 
 Points: local.before_write, local.mid_write, local.before_rename,
 local.after_rename (the local tier), state.before_write,
-state.before_commit (the state store), persistent.before_save,
+state.before_commit,
+state.after_commit (the state store), persistent.before_save,
 persistent.after_save_call, persistent.after_finalize (the persistent tier).
 
 Called by: the tiers and the state store, at those points; no I/O.
@@ -18,10 +20,13 @@ Called by: the tiers and the state store, at those points; no I/O.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
+import time
 
 ACTIONS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
+_SLEEP = re.compile(r"sleep(\d+(?:\.\d+)?)")
 
 
 def parse(spec: str) -> dict[tuple[str, int], str]:
@@ -42,9 +47,11 @@ def parse(spec: str) -> dict[tuple[str, int], str]:
     point, _, action = item.partition(":")
     name, sep, step = point.partition("@")
     action = action or "kill"
-    if not name or not sep or not step.strip().isdigit() or action not in ACTIONS:
+    known = action in ACTIONS or _SLEEP.fullmatch(action)
+    if not name or not sep or not step.strip().isdigit() or not known:
       raise ValueError(
-        f"EC_FAILPOINTS item {item!r} is not name@step[:action] with action in {sorted(ACTIONS)}"
+        f"EC_FAILPOINTS item {item!r} is not name@step[:action] with action in"
+        f" {sorted(ACTIONS)} or sleepN (N seconds)"
       )
     out[(name.strip(), int(step))] = action
   return out
@@ -61,8 +68,13 @@ def hit(name: str, step: int | None) -> None:
     step: the step being saved (None: points not tied to a step).
   """
   if _ARMED and (name, step) in _ARMED:
-    if _ARMED[(name, step)] == "kill":
+    action = _ARMED[(name, step)]
+    if action == "kill":
       os.kill(os.getpid(), signal.SIGKILL)
+    sleep = _SLEEP.fullmatch(action)
+    if sleep:
+      time.sleep(float(sleep.group(1)))
+      return
     # A process-directed SIGSTOP is taken by whichever thread the kernel picks
     # (usually the main one); on a busy machine this thread could run on for
     # milliseconds (finishing the very write under test) before that thread

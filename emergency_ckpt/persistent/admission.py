@@ -11,13 +11,15 @@ uploads and another skips would hang the first in a barrier.
 The slice's first process (the primary process) decides each step, and
 nobody waits for the decision in save():
 
-  every other process, in save(): if its own upload still runs, it raises
-    the step's veto flag; then it adds one to the step's ready counter
-    (one or two calls that never block). If it can upload, its upload lane
-    waits for the decision before it uploads or lets go of its snapshot.
-  the primary process, in save(): if its own upload still runs, it decides
-    "skip" at once; else its upload lane waits until every other process
-    counted, reads the veto flag and publishes "go" or "skip".
+  every other process, from save(): if its own upload still runs, it
+    raises the step's veto flag; then it adds one to the step's ready
+    counter (one or two calls that never block, on a lane of their own:
+    save() only queues them). If it can upload, its upload lane waits for
+    the decision before it uploads or lets go of its snapshot.
+  the primary process, from save(): if its own upload still runs, it
+    decides "skip" at once (published from that lane); else its upload
+    lane waits until every other process counted, reads the veto flag and
+    publishes "go" or "skip".
 
 A process that never counts (dead or hung) makes the decision "skip" after
 `timeout_s`. O(1) coordination calls per process per persistent step.
@@ -80,30 +82,51 @@ class UploadAdmission:
   def _deciding(self) -> bool:
     return self._topology.is_primary_process
 
-  def enter(self, step: int, *, busy: str | None) -> Ticket:
-    """Joins the decision of `step`. Never blocks beyond one or two
-    non-blocking calls to the coordination service.
+  def enter(
+    self,
+    step: int,
+    *,
+    busy: str | None,
+    defer: Callable[[Callable[[], None]], object] | None = None,
+  ) -> Ticket:
+    """Joins the decision of `step`. Its calls to the coordination service
+    (one or two, never blocking) run inline, or through `defer`.
 
     Args:
       step: the persistent step being saved.
       busy: None if this process can start an upload now, else what its
         running upload is (e.g. "the upload of step 12, running for 8.1 s").
+      defer: runs a task later, in order, off save() (the pipeline's
+        admission lane); None runs the calls here.
 
     Returns:
       The ticket: go=False if the step is skipped already, else pending.
     """
-    if self._deciding:
-      if busy is not None:
-        why = f"the previous upload still runs ({busy})"
-        self._publish(step, SKIP, why)
-        return Ticket(step, False, why)
+    calls = self._calls(step, busy)
+    if calls is not None:
+      if defer is None:
+        calls()
+      else:
+        defer(calls)
+    if busy is None:
       return Ticket(step, None)
-    if busy is not None:
-      self._coll.signal(f"persist_veto_{step}")
-    self._coll.count(f"persist_ready_{step}", self._others)
-    if busy is not None:
-      return Ticket(step, False, f"this process's previous upload still runs ({busy})")
-    return Ticket(step, None)
+    if self._deciding:
+      return Ticket(step, False, f"the previous upload still runs ({busy})")
+    return Ticket(step, False, f"this process's previous upload still runs ({busy})")
+
+  def _calls(self, step: int, busy: str | None) -> Callable[[], None] | None:
+    """enter()'s calls to the coordination service, or None."""
+    if self._deciding:
+      if busy is None:
+        return None
+      return lambda: self._publish(step, SKIP, f"the previous upload still runs ({busy})")
+
+    def join() -> None:
+      if busy is not None:
+        self._coll.signal(f"persist_veto_{step}")
+      self._coll.count(f"persist_ready_{step}", self._others)
+
+    return join
 
   def decide(self, ticket: Ticket) -> Ticket:
     """The decision on a pending ticket. Blocks on the slice's other

@@ -57,13 +57,16 @@ def local_plan(
   *,
   is_committed: Callable[[int], bool] | None,
   metrics: Metrics | None = None,
+  claimed: Collection[int] = (),
 ) -> Plan:
   """One process's local steps to keep and delete.
 
-  Protected: the newest committed step held, and the newest
-  `max_to_keep` + 1 steps newer than it (their commits may be in flight;
-  older uncommitted steps go, so a state store that cannot commit never
-  fills the ramdisk). Called by: every process (manager), gc.
+  Protected: the newest committed step held, and `max_to_keep` + 1 steps
+  newer than it (their commits may be in flight; older uncommitted steps
+  go, so a state store that cannot commit never fills the ramdisk): first
+  those whose state this process wrote (`claimed`: their COMMIT may come
+  at any moment; claims.py), then the newest. Called by: every process
+  (manager), gc.
 
   Args:
     steps: the local steps this process holds.
@@ -73,6 +76,8 @@ def local_plan(
       first, until the first yes. None: no state store is known (gc given
       none), so the newest step is taken as the newest restorable one.
     metrics: {step: {metric name: value}} for keep_best.
+    claimed: the steps whose state file this process wrote, not known
+      committed yet (retention/claims.py); the manager's only.
 
   Returns:
     The plan, with a reason per step.
@@ -88,7 +93,14 @@ def local_plan(
     # Their commits may be in flight, but only so many: while the state
     # store cannot commit (its bucket is sick) training goes on, and the
     # ramdisk must not fill with steps that may never commit.
-    for s in newer[-(rules.max_to_keep or len(newer)) - 1 :]:
+    # `max_to_keep` + 1 of them: the claimed ones (their COMMIT may come at
+    # any moment), then the newest
+    mine = [s for s in newer if s in claimed]
+    for s in mine:
+      protected[s] = "not committed yet (its state is written here: its COMMIT may follow)"
+    room = (rules.max_to_keep or len(newer)) + 1 - len(mine)
+    others = [s for s in newer if s not in claimed]
+    for s in others[len(others) - room :] if room > 0 else ():
       protected[s] = "not committed yet (its commit may be in flight)"
     if newest is not None:
       protected[newest] = "newest restorable here (newest committed step held)"
@@ -113,6 +125,8 @@ def persistent_plan(
     rules: the persistent tier's rules.
     committed: the state store's committed steps.
     metrics: {step: {metric name: value}} for keep_best.
+    claimed: the steps whose state file this process wrote, not known
+      committed yet (retention/claims.py); the manager's only.
 
   Returns:
     The plan, with a reason per step.

@@ -19,6 +19,7 @@ import threading
 
 from emergency_ckpt.core.records import StepRecords
 from emergency_ckpt.retention import plans
+from emergency_ckpt.retention.claims import CommitClaims
 from emergency_ckpt.retention.rules import Rules
 from emergency_ckpt.runtime.background import Background
 
@@ -66,6 +67,8 @@ class Retainer:
     self._closed = False
     self._written: int | None = None  # the newest step written, for the queued pass
     self._pass_queued = False
+    # uncommitted local steps: the state lane's claims against this retention's drops
+    self.claims = CommitClaims()
 
   # ---- ranking ---------------------------------------------------------------
   def metrics_of(self, steps) -> dict[int, dict]:
@@ -98,23 +101,38 @@ class Retainer:
     spares for later saves), and the copies found in other processes'
     folders on this host by the same rules (a restart onto other hosts)."""
     steps = self._local.held_steps()
+    asked: dict[int, bool] = {}
+
+    def is_committed(step: int) -> bool:  # no listing per save; one read per step per pass
+      if step not in asked:
+        asked[step] = self._state.has_commit(step)
+      return asked[step]
+
+    newest = plans.newest_committed(steps, is_committed)
+    self.claims.settle(newest)
     plan = plans.local_plan(
       steps,
       Rules.for_tier(self._options, "local"),
-      is_committed=self._state.has_commit,  # no listing per save (issue 15)
+      is_committed=is_committed,
       metrics=self.metrics_of(steps),
+      claimed=self.claims.claimed(),
     )
+    # a step claimed since (its state file on its way) stays; the rest can no longer commit
+    keep = set(plan.keep) | self.claims.drop(plan.delete, newest)
     pending = sorted(s for s in plan.keep if "not committed yet" in plan.reasons[s])
     if plan.delete and len(pending) > self._options.local.max_to_keep:
+      waiting = sorted(self.claims.claimed() & set(pending))
       logger.warning(
         "%s local steps %s are not committed yet and older ones are deleted"
-        " (max_to_keep=%d): is the persistent directory (the state store) reachable?",
+        " (max_to_keep=%d; kept until they commit, their state written: %s): is the"
+        " persistent directory (the state store) reachable, is a process of the job slow?",
         self._topology.log_prefix(),
         pending,
         self._options.local.max_to_keep,
+        waiting,
       )
     # Runs beside the next writes: only steps of this listing may go.
-    self._local.apply_retention(set(plan.keep), among=steps)
+    self._local.apply_retention(keep, among=steps)
 
   def state(self) -> None:
     """Primary process: deletes state steps no tier needs any more."""

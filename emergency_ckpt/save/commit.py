@@ -135,6 +135,7 @@ class Commits:
     self._state = state
     self._records = records
     self._background = background
+    self._vetoing = False  # the last state write was vetoed (one warning per run)
     self.persistent = PersistentTier(
       options.persistent,
       topology=topo,
@@ -218,20 +219,42 @@ class Commits:
       sums.resolve(self._local)  # not when the state lane (a sick bucket) gets to it
 
     def write_state() -> None:
+      refused = self.retainer.claims.claim(step) if written else None
+      if refused is not None:  # retention may delete (or deleted) the local copy: no commit
+        if sums is not None:
+          sums.let_go()
+        self._veto_claim(step, refused)
+        return
       self._ctx.health.begin("state", step, "write")
       try:
         crcs = None if sums is None else sums.crcs(self._local if written else None)
         self._state.write(step, data_state, crcs)
       except Exception as e:
+        if written:
+          self.retainer.claims.release(step)
         self.durable(step, "state", None, f"{type(e).__name__}: {e}")
         raise
       # the primary's commit hint; the last writer wakes its wait
       collectives.count(WRITTEN.format(step), topo.process_count)
+      self._vetoing = False
       self.durable(step, "state", None)
 
     write = self._background.submit("state-write", write_state)
     if topo.is_primary_process:
       self._background.submit("commit", self._commit, write, step, sums)
+
+  def _veto_claim(self, step: int, why: str) -> None:
+    """On the state lane: `step` must not commit (`why`): its veto flag,
+    then the state counter (the primary reads the flag once the count is
+    full, so this veto is conclusive). Warned once per run of vetoes."""
+    topo, collectives = self._ctx.topology, self._ctx.collectives
+    collectives.signal(UNSAVED.format(step))
+    collectives.count(WRITTEN.format(step), topo.process_count)
+    log = logger.info if self._vetoing else logger.warning
+    self._vetoing = True
+    log("%s step %d will not commit: %s", topo.log_prefix(), step, why)
+    self._ctx.health.skip("state", step)
+    self._ctx.events.record("save_skipped", step=step, tier="state", waiting_on=why)
 
   def _give_up(self, step: int, why: str) -> None:
     """The primary: `step` will not commit (`why`); its COMMIT is never written."""
@@ -239,6 +262,12 @@ class Commits:
     self._ctx.events.record("commit_skipped", step=step, reason=why)
 
   def _commit(self, write: concurrent.futures.Future, step: int, sums: ShardSums | None) -> None:
+    if self._try_commit(write, step, sums):
+      self.retainer.after_commit(step)
+
+  def _try_commit(
+    self, write: concurrent.futures.Future, step: int, sums: ShardSums | None
+  ) -> bool:
     topo, collectives = self._ctx.topology, self._ctx.collectives
     timeout_s = self._ctx.options.state_commit_timeout_s
     deadline = time.monotonic() + timeout_s
@@ -250,21 +279,23 @@ class Commits:
       collectives.forget(signal=UNSAVED.format(step))
       if sums is not None:
         sums.let_go()
-      self._give_up(step, "a process's save of it is incomplete (its required redundancy copy)")
-      return
+      self._give_up(
+        step,
+        "a process vetoed it (its required redundancy copy is missing, or its local copy was"
+        " dropped while older commits lagged: see that process's log)",
+      )
+      return False
     if sums is not None:  # a persistent step: its shard table, before COMMIT
       primary = topo.slice_processes[0]
       self._state.write_shard_table(
         step, checksums.shard_table(step, sums.paths, sums.abstract, primary)
       )
-    committed = self._state.commit(
+    return self._state.commit(
       step,
       timeout_s=max(0.0, deadline - time.monotonic()),
       metrics=self._records.metrics.get(step),
       info=self._records.info.get(step),
     )
-    if committed:
-      self.retainer.after_commit(step)
 
   def persistent_finalized(self, step: int) -> None:
     """Follows up a finalized persistent step on the commit lane. Called

@@ -180,6 +180,22 @@ class SavePipeline:
   ) -> None:
     """Stages `state` and starts the background work of `decision`; records
     the save event (`started`: time.monotonic() when save() began)."""
+    returned = threading.Event()  # the upload starts its Python work after save() returns
+    try:
+      self._stage_and_start(step, state, data_state, decision, metrics, started, returned)
+    finally:
+      returned.set()
+
+  def _stage_and_start(
+    self,
+    step: int,
+    state: Any,
+    data_state: dict | None,
+    decision: policies.SaveDecision,
+    metrics: dict,
+    started: float,
+    returned: threading.Event,
+  ) -> None:
     topo = self._ctx.topology
     self._records.started.put(step, started)
     paths, leaves, treedef = shards_lib.leaf_paths(state)  # paths cached per structure
@@ -205,7 +221,11 @@ class SavePipeline:
         self._persistent.wait_idle(step)
         ticket = Ticket(step, True)
       else:
-        ticket = self._admission.enter(step, busy=self._persistent.running())
+        ticket = self._admission.enter(
+          step,
+          busy=self._persistent.running(),
+          defer=lambda calls: self._background.submit("admission", calls),
+        )
       if ticket.go is None and not self._upload_snapshots:  # Orbax copies inline: decide now
         ticket = self._admission.decide(ticket)
       if ticket.go is False:
@@ -273,9 +293,11 @@ class SavePipeline:
           arrays = snapshot.arrays(abstract, self._upload_memory_kind)
           return jax.tree_util.tree_unflatten(treedef, arrays)
 
-        upload = self._persistent.save_snapshot(
-          step, state, snapshot_tree, release, admit=lambda: self._admission.admit(ticket)
-        )
+        def admit() -> bool:  # on the upload thread, once save() returned: no GIL taken from it
+          returned.wait()
+          return self._admission.admit(ticket)
+
+        upload = self._persistent.save_snapshot(step, state, snapshot_tree, release, admit=admit)
         upload.add_done_callback(lambda f: self._admission.uploaded(step, f))
       elif persistent:
         self._ctx.health.begin("persistent", step, "upload")

@@ -240,6 +240,7 @@ class StateStore:
       step, self._n, committed_at=time.time(), metrics=metrics or {}, info=info or {}
     )
     storage.write_bytes(self.step_dir(step) / layout.COMMIT_FILE, marker)
+    failpoints.hit("state.after_commit", step)
     return True
 
   def record(self, step: int) -> dict | None:
