@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 # public name -> module that defines it
 _EXPORTS = {
   "CheckpointManager": "emergency_ckpt.manager",
+  "Goodput": "emergency_ckpt.core.goodput",
   "Health": "emergency_ckpt.core.health",
   "TierHealth": "emergency_ckpt.core.health",
   "RestoreResult": "emergency_ckpt.restore.restorer",
@@ -57,6 +58,7 @@ __all__ = [
   "CorruptCheckpointError",
   "DataStateError",
   "EmergencyCheckpointError",
+  "Goodput",
   "Health",
   "InvalidOptionsError",
   "LocalTierOptions",
@@ -98,6 +100,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, eagerly
   from emergency_ckpt.config import load_config, options_from_dict
+  from emergency_ckpt.core.goodput import Goodput
   from emergency_ckpt.core.health import Health, TierHealth
   from emergency_ckpt.errors import (
     CollectiveTimeoutError,

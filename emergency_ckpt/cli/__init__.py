@@ -99,7 +99,18 @@ Definitions:
   lost steps (per restore): the newest step that process saved before the
     restore minus the restored step. Redone steps: the newest train_step the
     process recorded since its previous restore minus the restored step (and
-    their duration_s summed: redone s), when the trainer records train_step.
+    their duration_s summed: redone s), when the trainer records train_step;
+    else the redone work of the incarnation before the restore (below).
+  goodput: the share of the wall time that trained the model, of the process
+    with the lowest. Per incarnation (a process's life from one run_start to
+    its next): productive (the manager's progress events: the time between
+    save() calls, less their stalls; else the train_step events' duration_s)
+    less redone work; save stalls; restores; start-up; redone work (the
+    steps it trained past the step the next incarnation restored, at their
+    measured time); other. Per process also down (outside its
+    incarnations). An incarnation without a closing progress event ended
+    without close(): FAILED when it was restarted, or when the logs record
+    start-ups at all.
 """
 
 _BENCH_HELP = """\
@@ -201,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
 
   s = sub.add_parser(
     "report",
-    help="summarise a run from event logs: overhead, saves, restores, lost steps, errors",
+    help="summarise a run from event logs: overhead, goodput, saves, restores, errors",
     description=_REPORT_HELP,
     formatter_class=fmt,
     epilog="example:\n  emergency-ckpt report logs/events_*.jsonl --png timeline.png",

@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 from emergency_ckpt.cli._output import Style, grid, secs
+from emergency_ckpt.cli.goodput import fill_redone, goodput_lines, goodput_summary
 from emergency_ckpt.cli.outages import find_outages
 from emergency_ckpt.cli.timeline import draw_timeline
 from emergency_ckpt.core import telemetry
@@ -34,7 +35,8 @@ def summarize_events(events: list[dict[str, Any]]) -> dict[str, Any]:
   Returns:
     The summary: wall time, checkpoint overhead, stalls per process,
     durable times per tier, restores with lost and redone steps, each
-    tier's outages (cli/outages.py), errors.
+    tier's outages (cli/outages.py), goodput per process and incarnation
+    (cli/goodput.py), errors.
 
   Raises:
     ValueError: no event has a time.
@@ -154,7 +156,7 @@ def summarize_events(events: list[dict[str, Any]]) -> dict[str, Any]:
     for e in events
     if e.get("error") is not None or e["event"] == "save_failed"
   ]
-  return {
+  summary = {
     "run_ids": sorted({str(e["run_id"]) for e in events if e.get("run_id") is not None}),
     "events": len(events),
     "processes": len(procs),
@@ -176,8 +178,11 @@ def summarize_events(events: list[dict[str, Any]]) -> dict[str, Any]:
     "restore_total_s": sum(r["duration_s"] for r in restores if _is_num(r["duration_s"])),
     "train_steps": sum(e["event"] == "train_step" for e in events),
     "outages": find_outages(events, t0),
+    "goodput": goodput_summary(events, t0, t1),
     "errors": errors,
   }
+  fill_redone(restores, summary["goodput"])
+  return summary
 
 
 def _restores_of(events: list[dict[str, Any]], process: Any) -> list[dict[str, Any]]:
@@ -210,6 +215,7 @@ def _report_text(s: dict[str, Any], files: list[str], style: Style) -> str:
   out.append(
     f"restore time         {s['restore_total_s']:.3f} s over {len(s['restores'])} restores"
   )
+  out += goodput_lines(s["goodput"], style)
   if s["tiers"]:
     out += ["", style("saves per tier", "bold")]
     out.append(

@@ -1,9 +1,11 @@
 """`emergency-ckpt report --png`: a run's timeline, drawn with matplotlib.
 
-One row per process: its manager starts, local and persistent saves,
-failures and restores (with the restored step and its source) over the
-seconds since the run started, titled with the run's wall time and
-checkpoint overhead. matplotlib is optional (not a dependency of
+One row per process: each incarnation's span (a line from its start to
+its last event), its manager starts, local and persistent saves, failures
+and restores (with the restored step and its source), and where an
+incarnation ended without close() (cli/goodput.py), over the seconds since
+the run started, titled with the run's wall time, checkpoint overhead and
+goodput. matplotlib is optional (not a dependency of
 emergency_ckpt): without it nothing is drawn and the caller says why.
 
 Called by: report.py (cmd_report), with summarize_events' result.
@@ -50,7 +52,23 @@ def draw_timeline(events: list[dict[str, Any]], summary: dict[str, Any], out: st
     "failure / error": ([], [], dict(marker="x", color="tab:red", s=60)),
     "restore": ([], [], dict(marker="*", color="black", s=160)),
     "manager start": ([], [], dict(marker="o", facecolors="none", edgecolors="gray", s=50)),
+    "ended without close()": ([], [], dict(marker="X", color="darkred", s=120)),
   }
+  for i, inc in enumerate(summary["goodput"]["incarnations"]):
+    if inc["process"] in row:
+      y = row[inc["process"]]
+      ax.hlines(
+        y,
+        inc["began_s"],
+        inc["ended_s"],
+        color="lightgray",
+        linewidth=6,
+        zorder=0,
+        label=None if i else "process running",
+      )
+      if inc["failed"]:
+        marks["ended without close()"][0].append(inc["ended_s"])
+        marks["ended without close()"][1].append(y)
   for e in events:
     p = e.get("process")
     if p not in row or not _is_num(e.get("time")):
@@ -80,10 +98,11 @@ def draw_timeline(events: list[dict[str, Any]], summary: dict[str, Any], out: st
   ax.set_ylim(-0.7, len(procs) - 0.3)
   ax.set_xlim(0, max(summary["wall_s"], 1e-3) * 1.12)  # room for the last labels
   ax.set_xlabel("seconds since start")
-  pct = summary["checkpoint_overhead_pct"]
+  pct, good = summary["checkpoint_overhead_pct"], summary["goodput"]["goodput_pct"]
   ax.set_title(
     f"{', '.join(summary['run_ids']) or 'run'}: wall {summary['wall_s']:.0f} s, checkpoint"
-    f" overhead {'-' if pct is None else f'{pct:.2f} %'}"
+    f" overhead {'-' if pct is None else f'{pct:.2f} %'}, goodput"
+    f" {'-' if good is None else f'{good:.1f} %'}"
   )
   ax.grid(axis="x", alpha=0.3)
   ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")

@@ -24,6 +24,14 @@ e.g. "train_step" with step and duration_s):
   restore       step, source ("local" | "peer" | "partner" | "parity" |
                 "persistent"), duration_s, bytes, error, tried (steps
                 rejected before this one)
+  startup       startup_s, restore_s: once per manager, from its construction
+                to the end of the first restore() that returned (or to the
+                first save() call): the time in restore() and the rest
+  progress      first_step, last_step, steps, train_s, stall_s: the save()
+                calls since the previous progress event (steps: those whose
+                training, the time since the previous call, is in train_s;
+                stall_s: time inside save(), saving or not), at most one per
+                10 s (at a save that saved) and one at close() (closed: true)
 
 Recording never raises on I/O failure: the first failure is logged as a
 warning and the event still goes to the logger.

@@ -14,6 +14,7 @@ import jax
 from emergency_ckpt.cluster.jax_runtime import reached_preemption
 from emergency_ckpt.cluster.topology import Topology
 from emergency_ckpt.core import shards as shards_lib
+from emergency_ckpt.core.goodput import Goodput, StepTimer
 from emergency_ckpt.core.health import Health
 from emergency_ckpt.errors import (
   CALLER_ERRORS,
@@ -50,8 +51,10 @@ class CheckpointManager:
   """
 
   def __init__(self, options: CheckpointManagerOptions, *, mesh: jax.sharding.Mesh):
+    began = time.monotonic()
     self._options = options
     self._parts = parts = Parts.build(options, mesh)
+    self._goodput = StepTimer(parts.ctx.events, began=began)
     self._topology, self._collectives = parts.ctx.topology, parts.ctx.collectives
     # The parts tests and the Orbax facade look into.
     self._background, self._records, self._staging = parts.background, parts.records, parts.staging
@@ -126,16 +129,20 @@ class CheckpointManager:
     """
     self._check_open()
     _check_step(step)
-    # No process saves before every one set Orbax up (at once after the first
-    # save), so a process lost later cannot fail that barrier.
-    self._parts.orbax.ready()
-    if self._last_step is not None and step <= self._last_step:
-      kind = StepAlreadyExistsError if step == self._last_step else StepError
-      raise kind(
-        f"save(step={step}) after step {self._last_step}: steps must increase."
-        " Save each step once, after restore() continue from r.step + 1."
-      )
-    saved = self._saves.save(step, state, data_state, metrics=metrics, force=force)
+    began, saved = self._goodput.save_began(), False
+    try:
+      # No process saves before every one set Orbax up (at once after the first
+      # save), so a process lost later cannot fail that barrier.
+      self._parts.orbax.ready()
+      if self._last_step is not None and step <= self._last_step:
+        kind = StepAlreadyExistsError if step == self._last_step else StepError
+        raise kind(
+          f"save(step={step}) after step {self._last_step}: steps must increase."
+          " Save each step once, after restore() continue from r.step + 1."
+        )
+      saved = self._saves.save(step, state, data_state, metrics=metrics, force=force)
+    finally:
+      self._goodput.save_returned(step, began, saved=saved)
     if saved:
       self._last_step = step
     return saved
@@ -203,6 +210,20 @@ class CheckpointManager:
     """
     self._background.raise_errors(only=CALLER_ERRORS)
     return self._parts.health(report=True)
+
+  def goodput(self) -> Goodput:
+    """Where this process's time went since the manager's construction
+    began: training (between save() calls), save() stalls, start-up and
+    restore(), and the goodput: the training's share, in %. Measured when
+    the trainer calls save() every step (the manager decides which steps
+    it saves); work redone after a restart is not known here (`emergency-ckpt
+    report` subtracts it). Called by: any process, any time (e.g. every N
+    steps, for a metrics system); blocks on nothing.
+
+    Returns:
+      A frozen Goodput; `.as_dict()` for a metrics system.
+    """
+    return self._goodput.snapshot()
 
   # ---- inventory and restore ----------------------------------------------
   def all_steps(self) -> list[int]:
@@ -282,15 +303,20 @@ class CheckpointManager:
     """
     self._check_open()
     t0 = time.monotonic()
-    check_data_state_target(data_state)
-    parts = self._parts
-    parts.wait_saves()
+    result = None
     try:
-      got = parts.restorer.restore(abstract_state, parts.inventory.exchange("restore"), step, t0)
-    finally:  # every process, all up: Orbax's set-up barrier starts off the restore path
-      parts.orbax.start()
-    self._last_step = got.step
-    return parts.restorer.with_data_state(got, data_state, data_state_remap)
+      check_data_state_target(data_state)
+      parts = self._parts
+      parts.wait_saves()
+      try:
+        got = parts.restorer.restore(abstract_state, parts.inventory.exchange("restore"), step, t0)
+      finally:  # every process, all up: Orbax's set-up barrier starts off the restore path
+        parts.orbax.start()
+      self._last_step = got.step
+      result = parts.restorer.with_data_state(got, data_state, data_state_remap)
+    finally:
+      self._goodput.restored(t0, ok=result is not None)
+    return result
 
   def best_step(self) -> int | None:
     """The restorable step with the best `best_metric` (ties: the newest).
@@ -399,6 +425,7 @@ class CheckpointManager:
       raise
     finally:
       self._closed = True
+      self._goodput.close()
       self._parts.close(abandon=abandon)
 
   def __enter__(self) -> CheckpointManager:
