@@ -20,9 +20,13 @@ ocp.CheckpointManager, async, on the same ramdisk): each saves every step
 to the ramdisk only; `ours-device-both-tiers` and `ours-host-both-tiers`
 save every step to both tiers (the persistent one on local disk). Bounds, same state:
 `jax.device_get` into fresh host memory, device_copy.fill into a reused
-faulted-in buffer, the device-side copy alone, and a device_put of host
-arrays (restore's bound). Nothing here asserts a time: it prints and writes
-JSON; tests run it at a tiny size on CPU.
+faulted-in buffer, the device-side copy alone, a device_put of host arrays,
+and where the device has pinned host memory (accelerators) a device_put
+into it (`d2h_pinned`) and from it back to the device (`h2d_pinned`). The
+save's bound is the faster device-to-host copy (`d2h_bound`: device_get or
+d2h_pinned), the restore's the faster host-to-device copy (`h2d_bound`:
+device_put or h2d_pinned); each is printed with its GB/s. Nothing here
+asserts a time: it prints and writes JSON; tests run it at a tiny size on CPU.
 
 Usage: python -m benchmarks.device_stall --out DIR [--mib 4096]
 """
@@ -250,6 +254,45 @@ def measure_manager(name, trainer: Trainer, mesh, root, args) -> dict[str, Any]:
   }
 
 
+def _pinned(sharding) -> Any:
+  """`sharding` in its devices' pinned host memory, or None on CPU devices
+  and where a device has none (what device_copy checks before staging)."""
+  devices = list(sharding.device_set)
+  if any(d.platform == "cpu" for d in devices):
+    return None
+  try:
+    if not all("pinned_host" in {m.kind for m in d.addressable_memories()} for d in devices):
+      return None
+  except Exception:  # noqa: BLE001 - a backend without memory spaces
+    return None
+  return sharding.with_memory_kind("pinned_host")
+
+
+def best_bounds(med: dict[str, float], nbytes: int) -> dict[str, Any]:
+  """The save's and the restore's bounds from the medians of measure_bounds:
+  the faster device-to-host copy (device_get into fresh pageable memory, or
+  d2h_pinned into pinned host memory where it was timed) and the faster
+  host-to-device copy (device_put, or h2d_pinned), with which was faster and
+  every timed copy's GB/s (bytes / seconds / 1e9; not of a dispatch)."""
+  out: dict[str, Any] = {}
+  for bound, ways in (
+    ("d2h", ("device_get_s", "d2h_pinned_s")),
+    ("h2d", ("device_put_s", "h2d_pinned_s")),
+  ):
+    have = {k: med[k] for k in ways if med.get(k) is not None}
+    if not have:
+      continue
+    best = min(have, key=have.__getitem__)
+    out[f"{bound}_bound_s"] = have[best]
+    out[f"{bound}_bound_from"] = best.removesuffix("_s")
+  out["gb_per_s"] = {
+    k.removesuffix("_s"): nbytes / v / 1e9
+    for k, v in {**med, **out}.items()
+    if k.endswith("_s") and "dispatch" not in k and isinstance(v, (int, float)) and v > 0
+  }
+  return out
+
+
 def measure_bounds(trainer: Trainer, reps: int) -> dict[str, Any]:
   from emergency_ckpt.core import shards as shards_lib  # noqa: PLC0415
   from emergency_ckpt.runtime import buffers, device_copy  # noqa: PLC0415
@@ -261,6 +304,11 @@ def measure_bounds(trainer: Trainer, reps: int) -> dict[str, Any]:
   buffer[::4096] = 0
   out: dict[str, list[float]] = {"device_get": [], "stage_reused": [], "device_copy": []}
   out.update({"device_copy_dispatch": [], "device_put": []})
+  sharding = next(iter(state.values())).sharding
+  pinned = _pinned(sharding)
+  pinned_error = None
+  if pinned is not None:
+    out.update({"d2h_pinned": [], "h2d_pinned": []})
   host = None
   for _ in range(reps + 1):
     fresh = jax.block_until_ready(jax.tree.map(jnp.copy, state))  # no cached host value
@@ -277,13 +325,31 @@ def measure_bounds(trainer: Trainer, reps: int) -> dict[str, Any]:
     jax.block_until_ready(copies)
     out["device_copy"].append(time.perf_counter() - t0)
     del copies
-    sharding = next(iter(state.values())).sharding
     t0 = time.perf_counter()
     jax.block_until_ready({k: jax.device_put(v, sharding) for k, v in host.items()})
     out["device_put"].append(time.perf_counter() - t0)
+    if pinned is not None and pinned_error is None:
+      try:  # DMA into page-locked host memory and back: the accelerator's best
+        fresh = jax.block_until_ready(jax.tree.map(jnp.copy, state))
+        t0 = time.perf_counter()
+        on_host = jax.block_until_ready({k: jax.device_put(v, pinned) for k, v in fresh.items()})
+        out["d2h_pinned"].append(time.perf_counter() - t0)
+        del fresh
+        t0 = time.perf_counter()
+        jax.block_until_ready({k: jax.device_put(v, sharding) for k, v in on_host.items()})
+        out["h2d_pinned"].append(time.perf_counter() - t0)
+        del on_host
+      except Exception as e:  # noqa: BLE001 - reported, the pageable bounds stand
+        pinned_error = repr(e)
+        del out["d2h_pinned"], out["h2d_pinned"]
   med = {f"{k}_s": statistics.median(v[1:]) for k, v in out.items()}
-  progress("bounds: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in med.items()))
-  return {**med, "reps": out}
+  nbytes = int(sum(v.nbytes for v in state.values()))
+  best = best_bounds(med, nbytes)
+  progress(
+    "bounds: " + ", ".join(f"{k.removesuffix('_s')} {_bound_cell({**med, **best}, k)}" for k in med)
+  )
+  extra = {"pinned_error": pinned_error} if pinned_error else {}
+  return {**med, **best, **extra, "reps": out}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -331,27 +397,43 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   return result
 
 
+def _bound_cell(b: dict[str, Any], key: str) -> str:
+  gbps = b.get("gb_per_s", {}).get(key.removesuffix("_s"))
+  return f"{b[key] * 1e3:.1f} ms" + (f" ({gbps:.1f} GB/s)" if gbps else "")
+
+
 def report(r: dict[str, Any]) -> str:
   b = r["bounds"]
   gib = r["state_bytes"] / 2**30
+  d2h = "d2h_bound_s" if "d2h_bound_s" in b else "device_get_s"  # results before the pinned bounds
+  h2d = "h2d_bound_s" if "h2d_bound_s" in b else "device_put_s"
+  timed = [
+    k
+    for k, v in b.items()
+    if k.endswith("_s") and not k.endswith("_bound_s") and isinstance(v, (int, float))
+  ]
   lines = [
     f"# Save stall on {r['device']} (jax {r['jax']}), {gib:.2f} GiB state, one process",
     "",
-    "Bounds (median): "
-    + ", ".join(
-      f"{k.removesuffix('_s')} {b[k] * 1e3:.1f} ms" for k in b if k.endswith("_s") and k != "reps"
-    ),
+    "Bounds (median; GB/s = state bytes / time / 1e9): "
+    + ", ".join(f"{k.removesuffix('_s')} {_bound_cell(b, k)}" for k in timed),
     "",
-    "| manager | save() stall | stall / device_get | durable | step after save / idle |"
-    " restore | restore / device_put | bit-exact |",
+    f"Save bound (device to host, the faster of device_get and d2h_pinned where timed):"
+    f" {b.get('d2h_bound_from', 'device_get')} {_bound_cell(b, d2h)}; restore bound (host to"
+    f" device, the faster of device_put and h2d_pinned where timed):"
+    f" {b.get('h2d_bound_from', 'device_put')} {_bound_cell(b, h2d)}."
+    + (f" Pinned copies failed: {b['pinned_error']}." if b.get("pinned_error") else ""),
+    "",
+    "| manager | save() stall | stall / D2H bound | durable | step after save / idle |"
+    " restore | restore / H2D bound | bit-exact |",
     "|---|---|---|---|---|---|---|---|",
   ]
   for name, m in r["managers"].items():
     lines.append(
-      f"| {name} | {m['stall_s'] * 1e3:.1f} ms | {m['stall_s'] / b['device_get_s']:.3f}x"
+      f"| {name} | {m['stall_s'] * 1e3:.1f} ms | {m['stall_s'] / b[d2h]:.3f}x"
       f" | {m['durable_s']:.3f} s | {m['step_slowdown']:.3f}x"
       f" ({m['idle_step_s'] * 1e3:.1f} -> {m['after_step_s'] * 1e3:.1f} ms)"
-      f" | {m['restore_s']:.3f} s | {m['restore_s'] / b['device_put_s']:.2f}x"
+      f" | {m['restore_s']:.3f} s | {m['restore_s'] / b[h2d]:.2f}x"
       f" | {m['restore_bit_exact']} |"
     )
   return "\n".join(lines) + "\n"

@@ -2,7 +2,8 @@
 
 It runs every job of the real benchmark at a tiny size (4 MiB, 1 rep) and
 checks the output's shape: every metric for all three managers and every raw
-bound, as positive numbers. A figure may be null only with a reason and only
+bound, as positive numbers, the raw bounds the faster of one and N threads
+(the peer restore's the slower of its read and transfer), each with its GB/s. A figure may be null only with a reason and only
 where no job failed (a metric a manager cannot provide). No timing
 assertions: the machine is shared.
 """
@@ -34,6 +35,28 @@ def _positive(v) -> bool:
   return isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
 
 
+def check_raw_bounds(doc: dict) -> None:
+  """The raw bounds are the machine's best: memcpy and ramdisk write/read the
+  faster of one thread and N, the peer restore's the slower of the senders'
+  read and the socket transfer (each the faster of its two), the slice-loss
+  rows judged against them; every bound of bytes has its GB/s."""
+  raw = doc["raw_bounds"]
+  for key in ("memcpy_s", "ramdisk_write_s", "ramdisk_read_s", "ramdisk_read_4x1_s"):
+    parts = [p["value"] for p in raw[key]["parts"].values()]
+    assert len(parts) == 2 and all(_positive(x) for x in parts), (key, raw[key])
+    assert raw[key]["value"] == min(parts), (key, raw[key])
+  for key in ("peer_restore_s", "peer_restore_4x1_s"):
+    b = raw[key]
+    assert b["value"] == max(b["read_s"], b["transfer_s"]), (key, b)
+    assert b["read_s"] == min(b["parts"][k]["value"] for k in ("peer_read_1t_s", "peer_read_mt_s"))
+  for key, b in raw.items():
+    if "bytes" in b:
+      assert b["gb_per_s"] == b["bytes"] / b["value"] / 1e9, (key, b)
+  bounds = {m["key"]: m["raw_bound"] for m in doc["metrics"]}
+  assert bounds["restore_lose_slice_s"] == "peer_restore_s"
+  assert bounds["restore_lose_slice_4x1_s"] == "peer_restore_4x1_s"
+
+
 def _failed_logs(out) -> str:
   """The tails of the failed jobs' logs (a hung process's ends with its stacks)."""
   logs = sorted((out / "logs").glob("*.txt")) if (out / "logs").is_dir() else []
@@ -63,6 +86,7 @@ def test_quick_benchmark_reports_every_metric(tmp_path):
     assert _positive(bound["value"]), (key, bound)
   for m in listed.values():
     assert m["raw_bound"] in doc["raw_bounds"], m
+  check_raw_bounds(doc)
 
   for name in MANAGERS:
     figures = doc["results"][name]["metrics"]
@@ -94,3 +118,4 @@ def test_quick_benchmark_reports_every_metric(tmp_path):
   assert table.strip() in proc.stdout
   assert "save() stall rows: 'raw bound' is the memcpy of the same bytes" in table
   assert "| save() stall | same job: " in table
+  assert "GB/s)" in table and "- `memcpy_s` = " in table and ", the faster of 1 thread " in table

@@ -56,9 +56,9 @@ METRICS = (
     "save_peak_extra_ram_mib", "peak extra host RAM in save, per process", "MiB", "one_copy_mib"
   ),
   Metric("restore_intact_s", "restore, all slices intact", "s", "ramdisk_read_s"),
-  Metric("restore_lose_slice_s", "restore, slice 1 ramdisks lost (2x2)", "s", "ramdisk_read_s"),
+  Metric("restore_lose_slice_s", "restore, slice 1 ramdisks lost (2x2)", "s", "peer_restore_s"),
   Metric(
-    "restore_lose_slice_4x1_s", "restore, slice 3 ramdisk lost (4x1)", "s", "ramdisk_read_4x1_s"
+    "restore_lose_slice_4x1_s", "restore, slice 3 ramdisk lost (4x1)", "s", "peer_restore_4x1_s"
   ),
   Metric(
     "restore_persistent_cold_s",
@@ -71,18 +71,52 @@ METRICS = (
 )
 
 BOUNDS = {
-  "memcpy_s": "memcpy of the process's bytes into a preallocated buffer",
-  "ramdisk_write_s": "write + fsync of the process's bytes to a new file on its ramdisk",
+  "memcpy_s": "memcpy of the process's bytes into a preallocated buffer, the faster of one"
+  " thread and N (each copying one contiguous range)",
+  "ramdisk_write_s": "write + fsync of the process's bytes to a new file on its ramdisk, the"
+  " faster of one thread (write()) and N (each pwrite()s one contiguous range)",
   "persistent_write_s": "write + fsync of the process's bytes to a new file in the persistent dir",
-  "cpu_memcpy_write_s": "CPU-seconds of memcpy + ramdisk write, summed over processes",
+  "cpu_memcpy_write_s": "CPU-seconds of the one-thread memcpy + ramdisk write, summed over"
+  " processes",
   "one_copy_mib": "one host copy of the process's bytes (computed, not measured)",
-  "ramdisk_read_s": "read of the process's bytes from its ramdisk into a preallocated buffer",
+  "ramdisk_read_s": "read of the process's bytes from its ramdisk into a preallocated buffer,"
+  " the faster of one thread and N (each preadv()s one contiguous range)",
   "ramdisk_read_4x1_s": "the same on the 4x1 mesh (each process holds a whole replica)",
+  "peer_restore_s": "peer restore of slice 1's processes (2x2): the slower of the senders'"
+  " ramdisk read of the bytes they send (the faster of one thread and N) and a TCP transfer of"
+  " them over loopback sockets between the same processes as the managers' peer restore"
+  " (sendall into recv_into a preallocated buffer; the faster of one connection and N per pair)",
+  "peer_restore_4x1_s": "the same on the 4x1 mesh: slice 3's process gets a third of its bytes"
+  " from each other slice's process at once",
   "persistent_cold_read_s": "read from the persistent dir after fsync + POSIX_FADV_DONTNEED",
   "ready_s": "process spawn to jax.distributed ready, no checkpoint library imported"
   " (median over the raw job and every restart job)",
   "ready_plus_read_s": "ready_s + ramdisk_read_s (computed)",
 }
+
+# A bound timed with one thread and with N: {bound: (one-thread key, N-thread key)}
+# in the raw job's per-rep records. The bound is the faster figure.
+THREADED = {
+  "memcpy_s": ("memcpy_1t_s", "memcpy_mt_s"),
+  "ramdisk_write_s": ("ramdisk_write_1t_s", "ramdisk_write_mt_s"),
+  "ramdisk_read_s": ("ramdisk_read_1t_s", "ramdisk_read_mt_s"),
+}
+# The peer restore's parts: (senders' read, socket transfer), each timed two ways.
+PEER_READ = ("peer_read_1t_s", "peer_read_mt_s")
+PEER_TRANSFER = ("peer_transfer_1s_s", "peer_transfer_ns_s")
+
+
+def gb_per_s(nbytes: float | None, seconds: float | None) -> float | None:
+  """Throughput in GB/s (1e9 bytes per second); None without a positive time."""
+  if nbytes is None or seconds is None or seconds <= 0:
+    return None
+  return nbytes / seconds / 1e9
+
+
+def faster(parts: dict[str, float | None]) -> str | None:
+  """The key of the smallest (fastest) figure of `parts`; None if none has one."""
+  have = {k: v for k, v in parts.items() if v is not None}
+  return min(have, key=have.__getitem__) if have else None
 
 
 def _median(xs: Sequence[float]) -> float | None:
@@ -98,33 +132,103 @@ def _per_rep(
   return [reduce(col) for col in zip(*rows)]
 
 
+def _per_rep_of(procs: Sequence[dict], key: str) -> list[float]:
+  """Per repetition, the max of `key` over the processes that timed it
+  (a peer bound's senders or receivers; the others record None)."""
+  cols = zip(*[[r.get(key) for r in p["reps"]] for p in procs])
+  return [max(xs) for xs in ([x for x in col if x is not None] for col in cols) if xs]
+
+
 # ---- raw bounds --------------------------------------------------------------
 def raw_figures(raw: list[dict], restart_ready: Sequence[float] = ()) -> dict[str, dict]:
   """The raw bounds. `restart_ready`: every restart job's spawn-to-ready time
-  (max over processes), pooled with the raw job's for a steadier ready_s."""
+  (max over processes), pooled with the raw job's for a steadier ready_s.
+
+  Each figure: value (median over reps of the per-rep max over processes),
+  unit, samples, what; a bound of bytes also `bytes` (per process) and
+  `gb_per_s`. A bound timed with one thread and with N keeps both under
+  `parts` (value, samples, threads) and is the faster (`chosen`); the peer
+  bounds are the slower of their read and transfer (`read_s`,
+  `transfer_s`, each the faster of its two parts; `limited_by`), their
+  parts with the bytes they moved (a sender reads only what it sends)."""
 
   def lay(name):
     return [p["layouts"][name] for p in raw]
 
   two, four = lay("2x2"), lay("4x1")
+  threads = max((p.get("threads", 1) for p in raw), default=1)
+  nbytes = {"2x2": max(p["bytes"] for p in two), "4x1": max(p["bytes"] for p in four)}
   out: dict[str, dict] = {}
 
-  def add(key, samples, unit="s"):
+  def add(key, samples, unit="s", layout=None):
     out[key] = {"value": _median(samples), "unit": unit, "samples": samples, "what": BOUNDS[key]}
+    if layout:
+      out[key]["bytes"] = nbytes[layout]
+      out[key]["gb_per_s"] = gb_per_s(nbytes[layout], out[key]["value"])
 
-  for key in ("memcpy_s", "ramdisk_write_s", "ramdisk_read_s", "persistent_write_s"):
-    add(key, _per_rep(two, lambda p, k=key: [r[k] for r in p["reps"]]))
+  def part(procs, key):
+    n = 1 if key.endswith(("_1t_s", "_1s_s")) else threads
+    samples = _per_rep_of(procs, key)
+    what = "threads" if "_transfer_" not in key else "connections per pair"
+    return {"value": _median(samples), "samples": samples, what: n}
+
+  def add_faster(key, procs, keys, layout):
+    parts = {k: part(procs, k) for k in keys}
+    chosen = faster({k: v["value"] for k, v in parts.items()})
+    add(key, parts[chosen]["samples"] if chosen else [], layout=layout)
+    out[key].update(parts=parts, chosen=chosen)
+
+  def add_peer(key, procs, layout):
+    parts = {k: part(procs, k) for k in PEER_READ + PEER_TRANSFER}
+    # GB/s of a read: the most bytes a sender reads (4x1: a third of its bytes)
+    read_bytes = max(
+      (sum(b - a for _, a, b in p["peer"]["sends"]) for p in procs if "peer" in p),
+      default=nbytes[layout],
+    )
+    for k in PEER_READ:
+      parts[k]["bytes"] = read_bytes
+    for k in PEER_TRANSFER:
+      parts[k]["bytes"] = nbytes[layout]
+    read = faster({k: parts[k]["value"] for k in PEER_READ})
+    move = faster({k: parts[k]["value"] for k in PEER_TRANSFER})
+    if read is None or move is None:
+      samples = []
+    else:
+      samples = [max(a, b) for a, b in zip(parts[read]["samples"], parts[move]["samples"])]
+    add(key, samples, layout=layout)
+    read_s = parts[read]["value"] if read else None
+    move_s = parts[move]["value"] if move else None
+    value = None if read_s is None or move_s is None else max(read_s, move_s)
+    out[key].update(
+      value=value,
+      gb_per_s=gb_per_s(nbytes[layout], value),
+      parts=parts,
+      read_s=read_s,
+      transfer_s=move_s,
+      limited_by=None if value is None else ("read" if read_s >= move_s else "transfer"),
+    )
+
+  for key, keys in THREADED.items():
+    add_faster(key, two, keys, "2x2")
+  add_peer("peer_restore_s", two, "2x2")
+  add(
+    "persistent_write_s",
+    _per_rep(two, lambda p: [r["persistent_write_s"] for r in p["reps"]]),
+    layout="2x2",
+  )
   add(
     "persistent_cold_read_s",
     _per_rep(two, lambda p: [r["persistent_cold_read_s"] for r in p["reps"]]),
+    layout="2x2",
   )
   add(
     "cpu_memcpy_write_s",
     _per_rep(two, lambda p: [r["cpu_memcpy_write_s"] for r in p["reps"]], reduce=sum),
     "cpu-s",
   )
-  add("ramdisk_read_4x1_s", _per_rep(four, lambda p: [r["ramdisk_read_s"] for r in p["reps"]]))
-  add("one_copy_mib", [max(p["bytes"] for p in two) / MIB], "MiB")
+  add_faster("ramdisk_read_4x1_s", four, THREADED["ramdisk_read_s"], "4x1")
+  add_peer("peer_restore_4x1_s", four, "4x1")
+  add("one_copy_mib", [nbytes["2x2"] / MIB], "MiB")
   add("ready_s", [max(p["ready_s"] for p in raw), *restart_ready])
   add("ready_plus_read_s", [out["ready_s"]["value"] + out["ramdisk_read_s"]["value"]])
   return out
@@ -246,20 +350,43 @@ def manager_figures(
   return {mt.key: figs[mt.key] for mt in METRICS}, extras
 
 
+def paired_memcpy(two: list[dict]) -> dict:
+  """The memcpy timed just before each save in a manager's 2x2 job, with one
+  thread and with N: per save the max over processes of each, and the
+  faster of those two (`per_save`); the medians over the timed saves; the
+  same for the first (warm-up) save."""
+  one = _per_rep(two, lambda p: [s["paired_memcpy_1t_s"] for s in p["saves"]])
+  many = _per_rep(two, lambda p: [s["paired_memcpy_mt_s"] for s in p["saves"]])
+  first = {
+    k: max(p["warmup_save"][k] for p in two) for k in ("paired_memcpy_1t_s", "paired_memcpy_mt_s")
+  }
+  medians = {"paired_memcpy_1t_s": _median(one), "paired_memcpy_mt_s": _median(many)}
+  return {
+    "per_save": [min(a, b) for a, b in zip(one, many)],
+    "parts": medians,
+    "value": medians[faster(medians)] if faster(medians) else None,
+    "first_parts": first,
+    "first": first[faster(first)],
+    "threads": max((p.get("threads", 1) for p in two), default=1),
+  }
+
+
 def same_job_bounds(two: list[dict]) -> dict[str, float | None]:
   """The same-job bounds from a manager's 2x2 job (per rep the max over
   processes, the median over reps): the stall rows' memcpy of the same
-  bytes timed just before each save (and the one before the first save);
-  the durable-on-persistent row's write + fsync of them to the persistent
-  dir, just before each save; the cold persistent restore's cold read of
-  them from there, just before each such restore."""
+  bytes timed just before each save (and the one before the first save),
+  the faster of one thread and N; the durable-on-persistent row's write +
+  fsync of them to the persistent dir, just before each save; the cold
+  persistent restore's cold read of them from there, just before each such
+  restore."""
   cold = _per_rep(
     two, lambda p: [r.get("paired_cold_read_s") for r in p["restores"]["persistent_cold"]]
   )
   writes = _per_rep(two, lambda p: [s.get("paired_persistent_write_s") for s in p["saves"]])
+  copies = paired_memcpy(two)
   return {
-    "save_stall_s": _median(_per_rep(two, lambda p: [s["paired_memcpy_s"] for s in p["saves"]])),
-    "first_save_stall_s": max(p["warmup_save"]["paired_memcpy_s"] for p in two),
+    "save_stall_s": copies["value"],
+    "first_save_stall_s": copies["first"],
     "save_durable_persistent_s": _median([x for x in writes if x is not None]),
     "restore_persistent_cold_s": _median([x for x in cold if x is not None]),
   }
@@ -297,13 +424,15 @@ def _manager_extras(two: list[dict], four: list[dict]) -> dict:
 
   warmup = [p["warmup_save"] for p in two]
   stalls = _per_rep(two, lambda p: [s["stall_s"] for s in p["saves"]])
-  copies = _per_rep(two, lambda p: [s["paired_memcpy_s"] for s in p["saves"]])
+  paired = paired_memcpy(two)
+  copies = paired["per_save"]
   extras: dict[str, Any] = {
     "paired_stall_ratio": {
       "value": _median([a / b for a, b in zip(stalls, copies)]),
       "samples": [a / b for a, b in zip(stalls, copies)],
       "memcpy_s": copies,
     },
+    "paired_memcpy": {k: v for k, v in paired.items() if k != "per_save"},
     "first_save": {f: max(s[f] for s in warmup) for f in ("stall_s", "local_s", "all_s")}
     | {"cpu_s": sum(s["cpu_s"] for s in warmup)},
     "save_maxrss_delta_mib": _median(

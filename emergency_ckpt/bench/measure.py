@@ -1,19 +1,27 @@
-"""Measurement helpers: RSS sampling, page-cache eviction, raw I/O bounds."""
+"""Measurement helpers: RSS sampling, page-cache eviction, raw I/O bounds.
+
+The raw copies (memcpy, file write, file read) run with one thread or with
+N threads (bound_threads(): min(os.cpu_count(), 8)), each of which copies
+one contiguous range of the bytes; a bound is the faster of the two.
+"""
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import os
 import resource
 import shutil
 import statistics
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 _CHUNK = 64 << 20
+MAX_BOUND_THREADS = 8
 
 
 def rss_bytes() -> int:
@@ -98,42 +106,154 @@ def evict_tree(root: str) -> int:
   return n
 
 
-def memcpy(dst: np.ndarray, parts: Sequence[np.ndarray]) -> None:
-  """Copies `parts` back to back into the preallocated byte buffer `dst`."""
-  pos = 0
+def bound_threads() -> int:
+  """N of the N-thread raw bounds: min(os.cpu_count(), 8)."""
+  return max(1, min(os.cpu_count() or 1, MAX_BOUND_THREADS))
+
+
+def split(nbytes: int, n: int) -> list[tuple[int, int]]:
+  """`nbytes` cut into at most `n` contiguous (start, stop) ranges, in order,
+  each but the last a multiple of the page size (none empty)."""
+  if nbytes <= 0:
+    return []
+  step = -(-nbytes // max(1, n))
+  step = -(-step // _PAGE) * _PAGE
+  return [(a, min(a + step, nbytes)) for a in range(0, nbytes, step)]
+
+
+def _pool(threads: int) -> concurrent.futures.ThreadPoolExecutor:
+  """This process's pool of `threads` threads (a forked child gets its own:
+  the parent's threads do not survive a fork)."""
+  return _pool_of(os.getpid(), threads)
+
+
+@functools.cache
+def _pool_of(pid: int, threads: int) -> concurrent.futures.ThreadPoolExecutor:
+  """A pool of `threads` threads, all started now (outside any timed window):
+  each start-up task waits until every one of them runs."""
+  pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="bench-bound")
+  gate = threading.Barrier(threads)
+  list(pool.map(lambda _: gate.wait(timeout=60), range(threads)))
+  return pool
+
+
+def start_threads(threads: int) -> None:
+  """Starts the pool the N-thread bounds run on (call before timing them)."""
+  if threads > 1:
+    _pool(threads)
+
+
+def _each(fn: Callable[[int, int], int], ranges: list[tuple[int, int]], threads: int) -> int:
+  """fn(start, stop) for every range: inline with one thread, else on the
+  pool's `threads` threads (numpy copies and file I/O release the GIL).
+  Returns the sum of fn's results."""
+  if threads <= 1 or len(ranges) <= 1:
+    return sum(fn(a, b) for a, b in ranges)
+  return sum(_pool(threads).map(lambda r: fn(*r), ranges))
+
+
+def parallel(calls: Sequence[Callable[[], int]]) -> int:
+  """Runs every call at once, each on its own pool thread (inline if there
+  is one); returns the sum of their results."""
+  if len(calls) <= 1:
+    return sum(c() for c in calls)
+  return sum(_pool(len(calls)).map(lambda c: c(), calls))
+
+
+def _flat(parts: Sequence[np.ndarray]) -> list[tuple[int, np.ndarray]]:
+  """(offset, bytes) of each part, laid back to back."""
+  out, pos = [], 0
   for p in parts:
     flat = p.reshape(-1).view(np.uint8)
-    np.copyto(dst[pos : pos + flat.nbytes], flat, casting="no")
+    out.append((pos, flat))
     pos += flat.nbytes
+  return out
 
 
-def write_file(path: str, parts: Sequence[np.ndarray]) -> None:
-  """Writes `parts` to a new file and fsyncs it."""
+def _pieces(flat: list[tuple[int, np.ndarray]], start: int, stop: int):
+  """(offset, bytes) of the parts' bytes that fall in [start, stop)."""
+  for pos, b in flat:
+    lo, hi = max(start, pos), min(stop, pos + b.nbytes)
+    if lo < hi:
+      yield lo, b[lo - pos : hi - pos]
+
+
+def memcpy(dst: np.ndarray, parts: Sequence[np.ndarray], threads: int = 1) -> None:
+  """Copies `parts` back to back into the preallocated byte buffer `dst`;
+  with `threads` > 1, each thread copies one contiguous range of the bytes."""
+  flat = _flat(parts)
+  total = sum(b.nbytes for _, b in flat)
+
+  def copy(start: int, stop: int) -> int:
+    for pos, piece in _pieces(flat, start, stop):
+      np.copyto(dst[pos : pos + piece.nbytes], piece, casting="no")
+    return stop - start
+
+  _each(copy, split(total, threads), threads)
+
+
+def write_file(path: str, parts: Sequence[np.ndarray], threads: int = 1) -> None:
+  """Writes `parts` to a new file and fsyncs it; with `threads` > 1, each
+  thread pwrite()s one contiguous range of the bytes at its offset."""
   if os.path.exists(path):
     os.remove(path)
   fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
   try:
-    for p in parts:
-      view = memoryview(p.reshape(-1).view(np.uint8))
-      pos = 0
-      while pos < len(view):
-        pos += os.write(fd, view[pos : pos + _CHUNK])
+    if threads <= 1:
+      for p in parts:
+        view = memoryview(p.reshape(-1).view(np.uint8))
+        pos = 0
+        while pos < len(view):
+          pos += os.write(fd, view[pos : pos + _CHUNK])
+    else:
+      flat = _flat(parts)
+
+      def write(start: int, stop: int) -> int:
+        for pos, piece in _pieces(flat, start, stop):
+          view, done = memoryview(piece), 0
+          while done < len(view):
+            done += os.pwrite(fd, view[done : done + _CHUNK], pos + done)
+        return stop - start
+
+      _each(write, split(sum(b.nbytes for _, b in flat), threads), threads)
     os.fsync(fd)
   finally:
     os.close(fd)
 
 
-def read_file(path: str, dst: np.ndarray) -> int:
-  """Reads `path` into the preallocated byte buffer `dst`; returns bytes read."""
+def read_file(
+  path: str, dst: np.ndarray, threads: int = 1, start: int = 0, stop: int | None = None
+) -> int:
+  """Reads bytes [start, stop) of `path` (default: all of `dst`'s length)
+  into the same range of the preallocated byte buffer `dst`; with `threads`
+  > 1, each thread preadv()s one contiguous range. Returns bytes read."""
+  stop = len(dst) if stop is None else stop
   view = memoryview(dst)
-  got = 0
-  with open(path, "rb", buffering=0) as f:
-    while got < len(view):
-      n = f.readinto(view[got:])
-      if not n:
-        break
-      got += n
-  return got
+  if threads <= 1:
+    got = 0
+    with open(path, "rb", buffering=0) as f:
+      f.seek(start)
+      while start + got < stop:
+        n = f.readinto(view[start + got : stop])
+        if not n:
+          break
+        got += n
+    return got
+  fd = os.open(path, os.O_RDONLY)
+  try:
+
+    def read(a: int, b: int) -> int:
+      got = 0
+      while a + got < b:
+        n = os.preadv(fd, [view[a + got : b]], a + got)
+        if not n:
+          break
+        got += n
+      return got
+
+    return _each(read, [(start + a, start + b) for a, b in split(stop - start, threads)], threads)
+  finally:
+    os.close(fd)
 
 
 def reset_dir(path: str) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from emergency_ckpt.bench import workers
 from emergency_ckpt.bench.adapters import MANAGERS, ORBAX_MS, ORBAX_P2P, OURS
-from emergency_ckpt.bench.figures import METRICS, MIB, SAME_JOB_WHY
+from emergency_ckpt.bench.figures import METRICS, MIB, SAME_JOB_WHY, gb_per_s
 from emergency_ckpt.demo.launcher import start_note
 
 
@@ -22,6 +22,41 @@ def _x(r) -> str:
   return "n/a" if r is None else f"{r:.2f}x"
 
 
+def _gbps(g) -> str:
+  return "" if g is None else f" ({g:.2f} GB/s)"
+
+
+def _part(fig: dict) -> str:
+  """One way a bound was timed: '2 threads 0.04102 s (6.55 GB/s)'."""
+  if "threads" in fig:
+    n, what = fig["threads"], "thread"
+  else:
+    n, what = fig.get("connections per pair", 1), "connection"
+  label = f"{n} {what}{'s' if n != 1 else ''}"
+  value = "n/a" if fig["value"] is None else f"{fig['value']:.4g} s"
+  return f"{label} {value}{_gbps(fig.get('gb_per_s'))}"
+
+
+def _raw_line(key: str, b: dict) -> str:
+  """A raw bound with its GB/s and, where timed several ways, each way."""
+  head = f"`{key}` = {b['value']:.4g} {b['unit']}" if b["value"] is not None else f"`{key}` = n/a"
+  head += _gbps(b.get("gb_per_s"))
+  parts = {
+    k: dict(v, gb_per_s=gb_per_s(v.get("bytes", b.get("bytes")), v["value"]))
+    for k, v in b.get("parts", {}).items()
+  }
+  if "read_s" in b:
+    reads = " and ".join(_part(v) for k, v in parts.items() if "_read_" in k)
+    moves = " and ".join(_part(v) for k, v in parts.items() if "_transfer_" in k)
+    head += (
+      f", limited by the {b.get('limited_by') or 'n/a'} (senders' read: {reads};"
+      f" socket transfer: {moves})"
+    )
+  elif parts:
+    head += ", the faster of " + " and ".join(_part(v) for v in parts.values())
+  return f"- {head}: {b['what']}"
+
+
 def markdown(doc: dict) -> str:
   cfg = doc["config"]
   raw, res, rat = doc["raw_bounds"], doc["results"], doc["ratios"]
@@ -32,18 +67,22 @@ def markdown(doc: dict) -> str:
     f" mesh 2x2 = (replica=2, data=4) ({cfg['bytes_per_process']['2x2'] / MIB:.1f} MiB per"
     f" process), 4x1 = (replica=4, data=2) ({cfg['bytes_per_process']['4x1'] / MIB:.1f} MiB"
     f" per process). Median of {cfg['reps']} rep(s); per rep the max over processes"
-    " (CPU: the sum). 'vs raw' = figure / raw bound; 'ours / X' = emergency_ckpt / X.",
+    " (CPU: the sum). 'vs raw' = figure / raw bound; 'ours / X' = emergency_ckpt / X."
+    " GB/s beside a bound: the process's bytes / the bound / 1e9 (every process at once).",
     "",
     "| metric | raw bound | emergency_ckpt | vs raw | orbax_multislice | vs raw"
     " | orbax_p2p | vs raw | ours / multislice | ours / p2p |",
     "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
   ]
+  nbytes = cfg["bytes_per_process"]["2x2"]
   for mt in METRICS:
     if mt.same_job:
       per_job = [res[name]["metrics"][mt.key].get("bound") for name in MANAGERS]
-      bound_cell = "same job: " + " / ".join(_fmt(b, mt.unit) for b in per_job)
+      bound_cell = "same job: " + " / ".join(
+        _fmt(b, mt.unit) + _gbps(gb_per_s(nbytes, b)) for b in per_job
+      )
     else:
-      bound_cell = _fmt(raw[mt.bound]["value"], mt.unit)
+      bound_cell = _fmt(raw[mt.bound]["value"], mt.unit) + _gbps(raw[mt.bound].get("gb_per_s"))
     row = [mt.label, bound_cell]
     for name in MANAGERS:
       row += [
@@ -61,12 +100,24 @@ def markdown(doc: dict) -> str:
     lines += [
       "",
       "save() stall rows: 'raw bound' is the memcpy of the same bytes timed just before"
-      " each save in that manager's own job (emergency_ckpt / orbax_multislice / orbax_p2p):"
+      " each save in that manager's own job (emergency_ckpt / orbax_multislice / orbax_p2p),"
+      " the faster of one thread and N (each copying a contiguous range):"
       f" {SAME_JOB_WHY}. Per save (each the max over processes), stall / that memcpy:",
     ]
     for name, r in paired.items():
       samples = ", ".join(f"{x:.2f}x" for x in r["samples"])
       lines.append(f"- {name}: {r['value']:.2f}x (saves: {samples})")
+    for name in paired:
+      copies = res[name]["extras"].get("paired_memcpy")
+      if copies:
+        n = copies["threads"]
+        one, many = (copies["parts"][k] for k in ("paired_memcpy_1t_s", "paired_memcpy_mt_s"))
+        lines.append(
+          f"- {name}'s memcpy (median over saves): "
+          + _part({"threads": 1, "value": one, "gb_per_s": gb_per_s(nbytes, one)})
+          + ", "
+          + _part({"threads": n, "value": many, "gb_per_s": gb_per_s(nbytes, many)})
+        )
     memcpys = [raw["memcpy_s"]["value"]] + [
       res[name]["metrics"]["save_stall_s"].get("bound") for name in MANAGERS
     ]
@@ -94,9 +145,9 @@ def markdown(doc: dict) -> str:
         f"{name} {_x(rat[name][mt.key].get('to_raw_job_bound'))}" for name in MANAGERS
       )
       lines.append(f"- {mt.label}: {cross}")
-  lines += ["", "Raw bounds:"]
+  lines += ["", "Raw bounds (GB/s: the process's bytes / the bound / 1e9, every process at once):"]
   for key, b in raw.items():
-    lines.append(f"- `{key}` = {b['value']:.4g} {b['unit']}: {b['what']}")
+    lines.append(_raw_line(key, b))
   lines += ["", "Restore sources and bit-exactness (values include -0.0 and a denormal):"]
   for name in MANAGERS:
     for mt in METRICS:

@@ -4,8 +4,10 @@
 
 On this machine, with the same train state and jobs for every manager (all
 launched by emergency_ckpt.demo.launcher.run_job, the launcher the tests use):
-  1. raw bounds: one 4-process job measuring memcpy, ramdisk write/read,
-     persistent write and cold read of each process's exact bytes;
+  1. raw bounds: one 4-process job measuring memcpy, ramdisk write/read
+     (each the faster of one thread and N = min(cpus, 8)), the peer
+     restore's (the senders' read and a socket transfer between the same
+     processes), persistent write and cold read of each process's exact bytes;
   2. per manager (emergency_ckpt, Orbax multislice, Orbax P2P): one main job
      (saves, then restores intact / after losing a slice / from persistent
      with the page cache evicted, on a 2x2 and a 4x1 mesh), then K restart

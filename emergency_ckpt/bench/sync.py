@@ -1,8 +1,10 @@
-"""Cross-process barriers for benchmark workers, straight on JAX's
-coordination client (no XLA, no device memory; the client comes from
-cluster/jax_runtime.py, the one module that touches JAX's internals).
+"""Cross-process barriers and a key-value rendezvous for benchmark
+workers, straight on JAX's coordination client (no XLA, no device memory;
+the client comes from cluster/jax_runtime.py, the one module that touches
+JAX's internals).
 
-Called by: the benchmark's worker processes, every one in the same order.
+Called by: the benchmark's worker processes; barriers every one in the
+same order.
 """
 
 from __future__ import annotations
@@ -68,3 +70,30 @@ def start_together(name: str, lead_s: float = 0.25) -> float:
   if left > 0:
     time.sleep(left)
   return max(0.0, time.monotonic() - at)
+
+
+_LOCAL: dict[str, str] = {}  # the rendezvous of a single-process job
+
+
+def publish(key: str, value: str) -> None:
+  """Sets a rendezvous key (once per job: keys must be unique) for the
+  other processes to lookup(); through the coordination service.
+
+  Called by: any one process per key.
+  """
+  client = jax_runtime.distributed_client()
+  if jax.process_count() == 1 or client is None:
+    _LOCAL[key] = value
+    return
+  client.key_value_set(f"bench/kv/{key}", value)
+
+
+def lookup(key: str) -> str:
+  """A rendezvous key's value, waiting until some process publish()es it.
+
+  Called by: any process.
+  """
+  client = jax_runtime.distributed_client()
+  if jax.process_count() == 1 or client is None:
+    return _LOCAL[key]
+  return client.blocking_key_value_get(f"bench/kv/{key}", _TIMEOUT_MS)

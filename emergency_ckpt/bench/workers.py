@@ -20,10 +20,10 @@ import time
 import jax
 import numpy as np
 
-from emergency_ckpt.bench import adapters
+from emergency_ckpt.bench import adapters, peer
 from emergency_ckpt.bench import measure as m
 from emergency_ckpt.bench import state as st
-from emergency_ckpt.bench.sync import barrier
+from emergency_ckpt.bench.sync import barrier, lookup, publish, start_together
 from emergency_ckpt.demo import job_process
 
 SPAWN_ENV = "EC_BENCH_SPAWN_T"
@@ -81,60 +81,125 @@ def _has_files(path: str) -> bool:
 
 
 # ---- raw bounds --------------------------------------------------------------
+def _timed(name: str, fn) -> float:
+  """A barrier, then the seconds fn() takes."""
+  barrier(name)
+  t0 = m.now()
+  fn()
+  return m.now() - t0
+
+
+def _raw_rep(ctx: dict, rep: int) -> dict:
+  """One repetition of the raw bounds of one layout: memcpy, ramdisk write
+  and read (each with one and with N threads), the peer restore's (the
+  senders' read of what they send, then the bytes over sockets with one and
+  with N connections per pair), persistent write and cold read."""
+  parts, staging, readback = ctx["parts"], ctx["staging"], ctx["readback"]
+  shm_file, n = ctx["shm_file"], ctx["threads"]
+  r: dict = {}
+  c0 = time.process_time()
+  r["memcpy_1t_s"] = _timed("raw-memcpy", lambda: m.memcpy(staging, parts))
+  cpu = time.process_time() - c0
+  r["memcpy_mt_s"] = _timed("raw-memcpy-mt", lambda: m.memcpy(staging, parts, n))
+  c0 = time.process_time()
+  r["ramdisk_write_1t_s"] = _timed("raw-write", lambda: m.write_file(shm_file, parts))
+  r["cpu_memcpy_write_s"] = cpu + time.process_time() - c0  # the one-thread copies
+  r["ramdisk_write_mt_s"] = _timed("raw-write-mt", lambda: m.write_file(shm_file, parts, n))
+  for tag, k in (("1t", 1), ("mt", n)):
+    readback[:] = 0
+    r[f"ramdisk_read_{tag}_s"] = _timed(
+      f"raw-read-{tag}", lambda k=k: m.read_file(shm_file, readback, k)
+    )
+    if not np.array_equal(readback, staging):
+      raise AssertionError(f"ramdisk read-back ({tag}) differs from the bytes written")
+  _raw_peer(ctx, rep, r)
+  r["persistent_write_s"] = _timed("raw-pwrite", lambda: m.write_file(ctx["disk_file"], parts))
+  m.evict_file(ctx["disk_file"])
+  readback[:] = 0
+  r["persistent_cold_read_s"] = _timed("raw-cold", lambda: m.read_file(ctx["disk_file"], readback))
+  if not np.array_equal(readback, staging):
+    raise AssertionError("raw read-back differs from the bytes written")
+  return r
+
+
+def _raw_peer(ctx: dict, rep: int, r: dict) -> None:
+  """The peer restore's bound in this rep: a sender's read of the ranges it
+  sends from its ramdisk file (one and N threads), then the plan's transfer
+  over loopback sockets (one and N connections per pair), started at one
+  instant everywhere; a receiver checks the bytes it got."""
+  me, n, plan = jax.process_index(), ctx["threads"], ctx["plan"]
+  staging, readback = ctx["staging"], ctx["readback"]
+  sends = peer.sends_of(plan, me)
+  for tag, k in (("1t", 1), ("mt", n)):
+
+    def read(k=k):
+      for _, a, b in sends:
+        m.read_file(ctx["shm_file"], readback, k, a, b)
+
+    dt = _timed(f"raw-peer-read-{tag}", read)
+    r[f"peer_read_{tag}_s"] = dt if sends else None
+  receives = plan.get(me, [])
+  for tag, k in (("1s", 1), ("ns", n)):
+    for _, a, b in receives:
+      readback[a:b] = 0
+    prefix = f"raw-peer/{ctx['layout']}/{rep}/{tag}/"
+    r[f"peer_transfer_{tag}_s"] = peer.timed_transfer(
+      plan,
+      me,
+      k,
+      staging,
+      readback,
+      lambda key, value, prefix=prefix: publish(prefix + key, value),
+      lambda key, prefix=prefix: lookup(prefix + key),
+      lambda tag=tag: start_together(f"raw-peer-{tag}"),
+    )
+    if any(not np.array_equal(readback[a:b], staging[a:b]) for _, a, b in receives):
+      raise AssertionError(f"bytes received from a peer ({tag}) differ from the sender's")
+
+
 def raw_bounds(args: dict) -> dict:
-  """Per layout and rep: memcpy, ramdisk write/read, persistent write and
-  cold read of exactly this process's bytes, all processes at once."""
+  """Per layout and rep: memcpy, ramdisk write/read, the peer restore's
+  read at the senders and socket transfer, persistent write and cold read
+  of exactly this process's bytes, all processes at once."""
   ready_s = time.time() - _spawn_time()
   me = jax.process_index()
-  out: dict = {"pid": me, "ready_s": ready_s, "layouts": {}}
+  threads = m.bound_threads()
+  m.start_threads(threads)
+  out: dict = {"pid": me, "ready_s": ready_s, "threads": threads, "layouts": {}}
   for name in st.LAYOUTS:
     layout = st.make_layout(name, args["mib"])
     state = st.make_state(layout)
     parts = st.unique_shards(state)
     nbytes = sum(p.nbytes for p in parts)
-    staging = np.ones(nbytes, np.uint8)  # preallocated and faulted in
-    readback = np.ones(nbytes, np.uint8)
     shm_dir = os.path.join(args["shm_root"], "raw", name, f"host_{me}")
     disk_dir = os.path.join(args["disk_root"], "raw", name)
     m.reset_dir(shm_dir)
     os.makedirs(disk_dir, exist_ok=True)
-    shm_file = os.path.join(shm_dir, "raw.bin")
-    disk_file = os.path.join(disk_dir, f"raw_{me}.bin")
-    reps = []
-    progress(f"raw bounds {name}: {args['reps']} reps of {nbytes / 2**20:.1f} MiB per process")
-    for _ in range(args["reps"] + 1):  # the first is a warm-up, dropped
-      r = {}
-      barrier("raw-memcpy")
-      c0, t0 = time.process_time(), m.now()
-      m.memcpy(staging, parts)
-      r["memcpy_s"] = m.now() - t0
-      barrier("raw-write")
-      t0 = m.now()
-      m.write_file(shm_file, parts)
-      r["ramdisk_write_s"] = m.now() - t0
-      r["cpu_memcpy_write_s"] = time.process_time() - c0
-      barrier("raw-read")
-      t0 = m.now()
-      got = m.read_file(shm_file, readback)
-      r["ramdisk_read_s"] = m.now() - t0
-      assert got == nbytes, (got, nbytes)
-      barrier("raw-pwrite")
-      t0 = m.now()
-      m.write_file(disk_file, parts)
-      r["persistent_write_s"] = m.now() - t0
-      m.evict_file(disk_file)
-      barrier("raw-cold")
-      t0 = m.now()
-      got = m.read_file(disk_file, readback)
-      r["persistent_cold_read_s"] = m.now() - t0
-      assert got == nbytes, (got, nbytes)
-      reps.append(r)
-    if not np.array_equal(readback, staging):
-      raise AssertionError("raw read-back differs from the bytes written")
-    out["layouts"][name] = {"slice": layout.slice_index, "bytes": nbytes, "reps": reps[1:]}
+    lost = layout.num_slices - 1
+    ctx = {
+      "layout": name,
+      "parts": parts,
+      "staging": np.ones(nbytes, np.uint8),  # preallocated and faulted in
+      "readback": np.ones(nbytes, np.uint8),
+      "threads": threads,
+      "shm_file": os.path.join(shm_dir, "raw.bin"),
+      "disk_file": os.path.join(disk_dir, f"raw_{me}.bin"),
+      "plan": peer.plan(st.slice_processes(layout), lost, nbytes),
+    }
+    progress(
+      f"raw bounds {name}: {args['reps']} reps of {nbytes / 2**20:.1f} MiB per process,"
+      f" 1 and {threads} threads; peer restore of slice {lost}"
+    )
+    reps = [_raw_rep(ctx, k) for k in range(args["reps"] + 1)]  # the first is a warm-up, dropped
+    out["layouts"][name] = {
+      "slice": layout.slice_index,
+      "bytes": nbytes,
+      "peer": {"sends": peer.sends_of(ctx["plan"], me), "receives": ctx["plan"].get(me, [])},
+      "reps": reps[1:],
+    }
     shutil.rmtree(shm_dir, ignore_errors=True)
-    os.remove(disk_file)
-    del state, parts, staging, readback
+    os.remove(ctx["disk_file"])
+    del state, parts, ctx
     barrier(f"raw-{name}-done")
   return _finish(out)
 
@@ -149,16 +214,16 @@ def _timed_save(
   paired_file: str | None = None,
 ) -> dict:
   """One save, timed. `paired` = (buffer, parts): first a memcpy of the
-  same bytes, timed in the same job seconds before the save (a bound that
-  shares the machine's drift, unlike the raw-bounds job's); `paired_file`:
-  then a write + fsync of them to that file in the persistent dir, all
-  processes at once (the durable-on-persistent row's same-job bound)."""
-  memcpy_s = write_s = None
+  same bytes with one thread, then with N threads, timed in the same job
+  seconds before the save (a bound that shares the machine's drift, unlike
+  the raw-bounds job's); `paired_file`: then a write + fsync of them to that
+  file in the persistent dir, all processes at once (the
+  durable-on-persistent row's same-job bound)."""
+  memcpy_s = memcpy_mt_s = write_s = None
   if paired is not None:
-    barrier(f"memcpy-{step}")
-    t0 = m.now()
-    m.memcpy(*paired)
-    memcpy_s = m.now() - t0
+    memcpy_s = _timed(f"memcpy-{step}", lambda: m.memcpy(*paired))
+    n = m.bound_threads()
+    memcpy_mt_s = _timed(f"memcpy-mt-{step}", lambda: m.memcpy(*paired, threads=n))
     if paired_file is not None:
       barrier(f"pwrite-{step}")
       t0 = m.now()
@@ -187,7 +252,8 @@ def _timed_save(
     "peak_extra_bytes": peak - rss_base,
     "maxrss_delta_bytes": m.maxrss_bytes() - maxrss0,
     "peak_method": sampler.method,
-    "paired_memcpy_s": memcpy_s,
+    "paired_memcpy_1t_s": memcpy_s,
+    "paired_memcpy_mt_s": memcpy_mt_s,
     "paired_persistent_write_s": write_s,
   }
 
@@ -314,9 +380,11 @@ def _main_2x2(args: dict) -> dict:
   progress(f"{name} 2x2: 1 warm-up + {reps} timed saves")
   adapter = adapters.make(name, layout, host, persistent)
   rec["notes"] = dict(adapter.notes)
+  rec["threads"] = m.bound_threads()  # of the paired N-thread memcpy
   if hasattr(adapter, "bound"):
     rec["p2p_server"] = adapter.bound
   parts = st.unique_shards(state)
+  m.start_threads(m.bound_threads())  # the N-thread memcpy's pool, before the RSS baseline
   paired = (np.ones(sum(p.nbytes for p in parts), np.uint8), parts)  # before the RSS baseline
   paired_file = os.path.join(os.path.dirname(persistent), f"paired_raw_{jax.process_index()}.bin")
   os.makedirs(os.path.dirname(paired_file), exist_ok=True)
