@@ -86,6 +86,9 @@ def test_the_local_plan_protects_claimed_steps_newer_than_the_newest_commit():
   assert "its state is written here" in plan.reasons[3]
   unclaimed = plans.local_plan(steps, rules, is_committed=lambda s: s <= 2)
   assert unclaimed.keep == frozenset({2, 11, 12})
+  # a budget larger than what waits: every uncommitted step is kept
+  roomy = plans.local_plan([1, 2, 3, 4], Rules(max_to_keep=0), is_committed=lambda s: s <= 1)
+  assert roomy.keep == frozenset({1, 2, 3, 4})
 
 
 def test_failpoint_sleep_is_parsed_and_waits():

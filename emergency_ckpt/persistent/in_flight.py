@@ -35,8 +35,8 @@ class UploadInFlight:
     Returns:
       True while it runs.
     """
-    if self._upload is not None and not self._upload.done():
-      return True
+    if self._upload is not None:  # save_snapshot's: it ends once Orbax finished
+      return not self._upload.done()
     return self._manager is not None and self._manager.is_saving_in_progress()
 
   def running(self) -> str | None:

@@ -100,7 +100,7 @@ def local_plan(
       protected[s] = "not committed yet (its state is written here: its COMMIT may follow)"
     room = (rules.max_to_keep or len(newer)) + 1 - len(mine)
     others = [s for s in newer if s not in claimed]
-    for s in others[len(others) - room :] if room > 0 else ():
+    for s in others[max(0, len(others) - room) :] if room > 0 else ():
       protected[s] = "not committed yet (its commit may be in flight)"
     if newest is not None:
       protected[newest] = "newest restorable here (newest committed step held)"
