@@ -166,7 +166,11 @@ class SavePipeline:
     metrics = check_metrics(metrics)
     # No background error is raised here: a sick tier degrades (warnings,
     # events, health()); wait_until_finished() and close() report it.
-    self._start(step, state, data_state, decision, metrics, started)
+    returned = threading.Event()  # the upload starts its Python work after save() returns
+    try:
+      self._start(step, state, data_state, decision, metrics, started, returned)
+    finally:
+      returned.set()
     return True
 
   def _start(
@@ -177,25 +181,11 @@ class SavePipeline:
     decision: policies.SaveDecision,
     metrics: dict,
     started: float,
-  ) -> None:
-    """Stages `state` and starts the background work of `decision`; records
-    the save event (`started`: time.monotonic() when save() began)."""
-    returned = threading.Event()  # the upload starts its Python work after save() returns
-    try:
-      self._stage_and_start(step, state, data_state, decision, metrics, started, returned)
-    finally:
-      returned.set()
-
-  def _stage_and_start(
-    self,
-    step: int,
-    state: Any,
-    data_state: dict | None,
-    decision: policies.SaveDecision,
-    metrics: dict,
-    started: float,
     returned: threading.Event,
   ) -> None:
+    """Stages `state` and starts the background work of `decision`; records
+    the save event (`started`: time.monotonic() when save() began;
+    `returned`: set once save() returns, the upload waits for it)."""
     topo = self._ctx.topology
     self._records.started.put(step, started)
     paths, leaves, treedef = shards_lib.leaf_paths(state)  # paths cached per structure
