@@ -11,7 +11,6 @@ commit of one step lags while training saves 12 more.
 from __future__ import annotations
 
 import os
-import threading
 
 from emergency_ckpt.core import failpoints
 from emergency_ckpt.demo.launcher import run_job
@@ -21,60 +20,19 @@ from emergency_ckpt.retention.claims import CommitClaims
 from emergency_ckpt.retention.rules import Rules
 
 
-def test_a_claimed_step_is_kept_and_a_dropped_step_is_vetoed():
+def test_claims_are_kept_until_settled_and_released_on_a_failed_write():
   claims = CommitClaims()
-  assert claims.claim(3) is None
-  # retention would delete 3 and 4: 3 is claimed (kept), 4 is marked dropped
-  assert claims.drop([3, 4], newest_committed=2) == {3}
-  refused = claims.claim(4)
-  assert refused is not None and "deleted its copy" in refused
-  # a committed step below the newest committed is no drop to remember
-  claims.drop([1], newest_committed=2)
-  assert claims.claim(5) is None
-  claims.release(5)  # its state write failed
+  claims.claim(3)
+  claims.claim(4)
+  # retention planned to delete 3, 4 and 5; 3 and 4 were claimed meanwhile
+  assert claims.kept([3, 4, 5]) == {3, 4}
+  claims.release(4)  # its state write failed
   assert claims.claimed() == frozenset({3})
-
-
-def test_settle_forgets_claims_and_drops_at_or_below_the_newest_commit():
-  claims = CommitClaims()
-  for s in (3, 4, 5):
-    assert claims.claim(s) is None
-  claims.drop([6], newest_committed=2)
-  claims.settle(4)
+  claims.claim(5)
+  claims.settle(3)  # 3 committed: below it nothing commits later
   assert claims.claimed() == frozenset({5})
-  assert "deleted" in claims.claim(6)
-  claims.settle(6)
-  assert claims.claim(7) is None
-
-
-def _race_once(claims: CommitClaims) -> dict:
-  results: dict[str, object] = {}
-  go = threading.Barrier(2)
-
-  def claim():
-    go.wait()
-    results["claim"] = claims.claim(7)
-
-  def drop():
-    go.wait()
-    results["kept"] = claims.drop([7], newest_committed=None)
-
-  threads = [threading.Thread(target=claim), threading.Thread(target=drop)]
-  for t in threads:
-    t.start()
-  for t in threads:
-    t.join()
-  return results
-
-
-def test_claim_and_drop_race_never_both_win():
-  """Many threads: every step ends either claimed (and not dropped) or
-  dropped (and its claim refused), never both."""
-  for _ in range(200):
-    results = _race_once(CommitClaims())
-    claimed = results["claim"] is None
-    kept = results["kept"] == {7}
-    assert claimed == kept, results
+  claims.settle(None)
+  assert claims.claimed() == frozenset({5})
 
 
 def test_the_local_plan_protects_claimed_steps_newer_than_the_newest_commit():
@@ -103,7 +61,7 @@ def test_failpoint_sleep_is_parsed_and_waits():
     raise AssertionError("a malformed sleep was accepted")
 
 
-def test_a_lagging_commit_never_commits_a_step_retention_deleted(module_shm_dir):
+def test_a_lagging_commit_never_commits_a_step_retention_deleted_meanwhile(module_shm_dir):
   """1 slice x 2 processes, local max_to_keep 1, a step saved every 0.3 s:
   the primary's commit of step 3 waits 8 s, and the primary dies right
   after it commits. Meanwhile each process claimed every step it wrote the

@@ -117,8 +117,8 @@ class Retainer:
       metrics=self.metrics_of(steps),
       claimed=self.claims.claimed(),
     )
-    # a step claimed since (its state file on its way) stays; the rest can no longer commit
-    keep = set(plan.keep) | self.claims.drop(plan.delete, newest)
+    # a step claimed since the plan (its state file on its way) stays
+    keep = set(plan.keep) | self.claims.kept(plan.delete)
     pending = sorted(s for s in plan.keep if "not committed yet" in plan.reasons[s])
     if plan.delete and len(pending) > self._options.local.max_to_keep:
       waiting = sorted(self.claims.claimed() & set(pending))

@@ -135,7 +135,6 @@ class Commits:
     self._state = state
     self._records = records
     self._background = background
-    self._vetoing = False  # the last state write was vetoed (one warning per run)
     self.persistent = PersistentTier(
       options.persistent,
       topology=topo,
@@ -219,12 +218,8 @@ class Commits:
       sums.resolve(self._local)  # not when the state lane (a sick bucket) gets to it
 
     def write_state() -> None:
-      refused = self.retainer.claims.claim(step) if written else None
-      if refused is not None:  # retention may delete (or deleted) the local copy: no commit
-        if sums is not None:
-          sums.let_go()
-        self._veto_claim(step, refused)
-        return
+      if written:  # local retention keeps the step until it commits (retention/claims.py)
+        self.retainer.claims.claim(step)
       self._ctx.health.begin("state", step, "write")
       try:
         crcs = None if sums is None else sums.crcs(self._local if written else None)
@@ -236,25 +231,11 @@ class Commits:
         raise
       # the primary's commit hint; the last writer wakes its wait
       collectives.count(WRITTEN.format(step), topo.process_count)
-      self._vetoing = False
       self.durable(step, "state", None)
 
     write = self._background.submit("state-write", write_state)
     if topo.is_primary_process:
       self._background.submit("commit", self._commit, write, step, sums)
-
-  def _veto_claim(self, step: int, why: str) -> None:
-    """On the state lane: `step` must not commit (`why`): its veto flag,
-    then the state counter (the primary reads the flag once the count is
-    full, so this veto is conclusive). Warned once per run of vetoes."""
-    topo, collectives = self._ctx.topology, self._ctx.collectives
-    collectives.signal(UNSAVED.format(step))
-    collectives.count(WRITTEN.format(step), topo.process_count)
-    log = logger.info if self._vetoing else logger.warning
-    self._vetoing = True
-    log("%s step %d will not commit: %s", topo.log_prefix(), step, why)
-    self._ctx.health.skip("state", step)
-    self._ctx.events.record("save_skipped", step=step, tier="state", waiting_on=why)
 
   def _give_up(self, step: int, why: str) -> None:
     """The primary: `step` will not commit (`why`); its COMMIT is never written."""
@@ -281,8 +262,7 @@ class Commits:
         sums.let_go()
       self._give_up(
         step,
-        "a process vetoed it (its required redundancy copy is missing, or its local copy was"
-        " dropped while older commits lagged: see that process's log)",
+        "a process vetoed it (its required redundancy copy is missing: see that process's log)",
       )
       return False
     if sums is not None:  # a persistent step: its shard table, before COMMIT
