@@ -84,6 +84,10 @@ class Adapter(abc.ABC):
   def restore(self) -> tuple[Any, int, str]:
     """(state, step, source) of the newest step."""
 
+  def latest_step(self) -> int | None:
+    """The manager's newest step, None if it has none (before a first restore)."""
+    return self._m.latest_step()
+
   @abc.abstractmethod
   def close(self) -> None:
     """Implemented per manager."""
@@ -144,18 +148,40 @@ class OrbaxMultislice(Adapter):
     " for the one tier that process writes",
   }
 
-  def __init__(self, layout: Layout, local_dir: str, persistent_dir: str):
+  def __init__(
+    self,
+    layout: Layout,
+    local_dir: str,
+    persistent_dir: str,
+    *,
+    local_interval: int | None = None,
+    persistent_interval: int | None = None,
+  ):
+    """`local_interval`, `persistent_interval`: the tiers' save_interval_steps
+    (benchmarks/goodput.py); None keeps Orbax's defaults (10 and 1000)."""
     from orbax.checkpoint.experimental.emergency import (  # noqa: PLC0415
       checkpoint_manager as ecm,
     )
 
     orbax_prerequisites()
     self._layout = layout
+    options = None
+    if local_interval is not None or persistent_interval is not None:
+      defaults = ecm.CheckpointManagerOptions()
+      options = ecm.CheckpointManagerOptions(
+        local=ecm.LocalCheckpointOptions(
+          save_interval_steps=local_interval or defaults.local.save_interval_steps
+        ),
+        persistent=ecm.PersistentCheckpointOptions(
+          save_interval_steps=persistent_interval or defaults.persistent.save_interval_steps
+        ),
+      )
     self._m = ecm.CheckpointManager(
       local_directory=local_dir,
       persistent_directory=persistent_dir,
       global_mesh=layout.mesh,
       abstract_state=layout.abstract,
+      options=options,
     )
     inner = self._m._checkpoint_manager  # noqa: SLF001
     self._source = "unknown"
@@ -277,8 +303,9 @@ ADAPTERS = {OURS: Ours, ORBAX_MS: OrbaxMultislice, ORBAX_P2P: OrbaxP2P}
 
 
 def make(name: str, layout: Layout, local_dir: str, persistent_dir: str, **kwargs) -> Adapter:
-  """Called by workers.py and elastic.py on every process; `kwargs` go to
-  the adapter (only Ours takes any: host_id)."""
+  """Called by workers.py, elastic.py and benchmarks/goodput_job.py on every
+  process; `kwargs` go to the adapter (Ours: host_id; OrbaxMultislice:
+  local_interval, persistent_interval)."""
   os.makedirs(local_dir, mode=0o700, exist_ok=True)
   os.makedirs(persistent_dir, exist_ok=True)
   return ADAPTERS[name](layout, local_dir, persistent_dir, **kwargs)
