@@ -42,10 +42,7 @@ over the same wall time ("report %"; the JSON also keeps the report's own
 figure, whose wall time runs from the first event, the first manager's
 construction, to the last). The two can differ: the report counts a
 step's training only once a `progress` event carried it (at most every 10 s,
-and at close()), so a SIGKILL loses up to that much from its count; and it
-charges redone work only to an incarnation whose successor restored a
-step, so the steps before a restart that found nothing to restore (killed
-before the first save) count as productive there.
+and at close()), so a SIGKILL loses up to that much from its count.
 
 Prints a table per seed and the median over seeds; --out writes the JSON
 (settings, machine, CPU count, date, every run with its incarnations).

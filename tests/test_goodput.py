@@ -187,6 +187,24 @@ def test_goodput_per_incarnation_process_and_run():
   assert (g["stall_s"], g["restore_s"], g["startup_s"], g["lost_s"]) == (3.5, 2.0, 6.0, 8.0)
 
 
+def test_a_fresh_start_after_a_crash_redoes_everything_trained_before():
+  """Killed before any checkpoint: the next incarnation restores nothing and
+  trains from step 1 again, so the first one's 20 s of training are redone."""
+  events = [
+    ev(0, "run_start", 0, run_id="g"),
+    ev(2, "startup", 0, startup_s=2.0, restore_s=0.0),
+    _progress(22, 1, 10, 10, 20.0, 0.0),
+    ev(23, "run_start", 0, run_id="g"),
+    ev(25, "startup", 0, startup_s=2.0, restore_s=0.0),
+    _progress(45, 1, 10, 10, 20.0, 0.0, closed=True),
+  ]
+  g = goodput_summary(events, T0, T0 + 45)
+  first, second = g["incarnations"]
+  assert (first["lost_steps"], first["lost_s"], first["productive_s"]) == (10, 20.0, 0.0)
+  assert (second["lost_steps"], second["productive_s"]) == (0, 20.0)
+  assert g["goodput_pct"] == pytest.approx(100 * 20 / 45)
+
+
 def test_train_step_durations_price_the_redone_steps():
   events = two_incarnations()[:11]
   events += [

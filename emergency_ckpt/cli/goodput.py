@@ -119,6 +119,8 @@ def _incarnation(events: list[dict[str, Any]], t0: float, aware: bool) -> dict[s
     "goodput_pct": None,
     "_progress_step": max(newest, default=None),
     "_trained": [(e["step"], e.get("duration_s")) for e in trained],
+    # it started (startup recorded) and restored nothing: training began again
+    "_started_fresh": startup is not None and not restored,
   }
 
 
@@ -186,10 +188,12 @@ def goodput_summary(events: list[dict[str, Any]], t0: float, t1: float) -> dict[
       later = rows[i + 1] if i + 1 < len(rows) else None
       if later is not None and later["restored_step"] is not None:
         _charge_lost(row, later["restored_step"])
+      elif later is not None and later["_started_fresh"]:  # nothing restored: all of it redone
+        _charge_lost(row, row["restored_step"] or 0)
       row["failed"] = not row["closed"] and (later is not None or aware)
     for row in rows:
       row["goodput_pct"] = _pct(row["productive_s"], row["wall_s"])
-      del row["_progress_step"], row["_trained"]
+      del row["_progress_step"], row["_trained"], row["_started_fresh"]
     incarnations += rows
     total = {k: _sum(rows, k) for k in PARTS}
     total["lost_steps"] = sum(r["lost_steps"] for r in rows)
