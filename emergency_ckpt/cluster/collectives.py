@@ -56,6 +56,22 @@ class Collectives(Rendezvous, Signals):
   then): one call, on a thread of its own.
   """
 
+  def sequenced(self, name: str) -> str:
+    """`name` with a sequence number of its own: "<name>/<n>", where n counts
+    this process's calls for `name` on this coordination service, so it is
+    the same on every process that calls it in the same order (e.g. once per
+    manager, at its construction) and a later manager of the same run never
+    reads an earlier one's keys. Called by: every process. Blocks on
+    nothing (no call to the service).
+
+    Args:
+      name: the keys' name.
+
+    Returns:
+      The sequenced name, to use with publish() / try_value().
+    """
+    return self._key(name).removeprefix(f"emergency_ckpt/{self._namespace}/")
+
   def exchange(
     self,
     name: str,

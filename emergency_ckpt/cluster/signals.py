@@ -194,22 +194,46 @@ class Signals:
     except Exception as e:  # noqa: BLE001 - absent (NOT_FOUND), or the service is gone
       return "NOT_FOUND" not in str(e).upper().replace(" ", "_")
 
-  def publish(self, name: str, value: str) -> None:
-    """Sets the one-shot value `name` for every process of the job (e.g. a
+  def publish(self, name: str, value: str, *, overwrite: bool = False) -> None:
+    """Sets the value `name` for every process of the job (e.g. a
     decision). Called by: one process. One call; a failure is logged, not
     raised (readers then time out and take their safe default). A no-op in
     single-process jobs.
 
     Args:
-      name: the value's name (unique per event).
+      name: the value's name (unique per event, unless `overwrite`).
       value: the value.
+      overwrite: replace the value if `name` is set already (one writer
+        that keeps a value current, e.g. the save cadence's head); else a
+        second publish of `name` fails (logged).
     """
     if self._client is None:
       return
     try:
-      self._client.key_value_set(self._value_key(name), value)
+      if overwrite:
+        self._client.key_value_set(self._value_key(name), value, allow_overwrite=True)
+      else:
+        self._client.key_value_set(self._value_key(name), value)
     except Exception as e:  # noqa: BLE001 - readers fall back after their timeout
       logger.warning("%s value %r not published: %s", self._topology.log_prefix(), name, e)
+
+  def try_value(self, name: str) -> str | None:
+    """The value publish(name, ...) set, without waiting. Called by: any
+    process. One call to the coordination service.
+
+    Args:
+      name: the value's name.
+
+    Returns:
+      The value; None if it is not set (yet), if the service cannot be
+      read, and always in single-process jobs.
+    """
+    if self._client is None:
+      return None
+    try:
+      return self._client.key_value_try_get(self._value_key(name))
+    except Exception:  # noqa: BLE001 - absent (NOT_FOUND), or the service is gone
+      return None
 
   def wait_value(self, name: str, *, timeout_s: float) -> str | None:
     """The value publish(name, ...) set, waiting for it (before or after

@@ -221,16 +221,11 @@ class CheckpointManager:
       step: the step.
 
     Returns:
-      True if `step` hits the local or the persistent interval.
+      True if `step` hits the local or the persistent interval (with
+      "auto" or save_interval_s: the steps agreed so far, see
+      SavePipeline.would_save).
     """
-    from emergency_ckpt.save import policies  # noqa: PLC0415
-
-    return policies.decide_save(
-      step,
-      local_interval=self._options.local.save_interval_steps,
-      persistent_interval=self._options.persistent.save_interval_steps,
-      force=False,
-    ).any
+    return self._manager._saves.would_save(step).any  # noqa: SLF001 - the facade looks in
 
   def delete(self, step: int) -> None:
     """Deletes `step` from every tier (CheckpointManager.delete). Called

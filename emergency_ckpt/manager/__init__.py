@@ -106,7 +106,10 @@ class CheckpointManager:
     Called by: every process, with the same steps. Blocks only on the host
     copy of this process's shards (on accelerators also Orbax's own
     device-to-host copy; with persistent.when_busy="wait" also the previous
-    upload); writes finish in the background. No collective.
+    upload); writes finish in the background. No collective. With
+    save_interval_steps "auto" or save_interval_s, the primary process
+    chooses the steps and every process saves the same ones; a process
+    that runs far ahead of the primary waits for its schedule.
 
     Args:
       step: an integer >= 0, newer than the last step saved or restored.
@@ -126,6 +129,8 @@ class CheckpointManager:
       StepAlreadyExistsError: `step` is the last step saved or restored.
       DataStateError: `data_state` cannot be stored as JSON.
       MetricsError: `metrics` is not a dict of finite numbers.
+      CollectiveTimeoutError: with "auto" or save_interval_s, the primary
+        process published no schedule for `step` within collective_timeout_s.
     """
     self._check_open()
     _check_step(step)

@@ -6,10 +6,13 @@ background lanes, per-step records and staging area; Orbax's background
 loader; the local tier; the state store; the event log and the JobContext
 every orchestrator takes; Commits, which builds the persistent tier (the
 tier reports each finalized step to Commits, so Commits exists first) and
-the retainer (which needs that tier); the redundancy link (an exchange:
-after the persistent tier's bucket check, so a missing bucket fails every
-process before any waits on another); the save pipeline; the inventory
-and the restorer. Then the primary process records the run (run.json).
+the retainer (which needs that tier; with a persistent interval chosen by
+the manager it sees an interval of 1, save/cadence_job.py); the
+redundancy link (an exchange: after the persistent tier's bucket check,
+so a missing bucket fails every process before any waits on another);
+the save pipeline, with its cadence where an interval is "auto" or in
+seconds; the inventory and the restorer. Then the primary process
+records the run (run.json, with this run's starts counted).
 
 Waiting (for durable saves) and closing (lanes first, writes before what
 follows them) walk the same parts, so they are here too.
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from typing import TYPE_CHECKING
 
 from etils import epath
@@ -42,6 +46,8 @@ from emergency_ckpt.restore.restorer import Restorer
 from emergency_ckpt.retention import rules as retention
 from emergency_ckpt.runtime.background import Background, run_within
 from emergency_ckpt.runtime.staging import StagingArea
+from emergency_ckpt.save import cadence_job as cadence_lib
+from emergency_ckpt.save.cadence_targets import FailureHistory
 from emergency_ckpt.save.commit import Commits
 from emergency_ckpt.save.pipeline import SavePipeline
 from emergency_ckpt.state.store import StateStore
@@ -151,8 +157,14 @@ class Parts:
       health=HealthTracker(tracked),
     )
     commits = Commits(
-      ctx, local=local, state=state, records=records, background=background, orbax_ready=orbax.ready
+      cadence_lib.retention_context(ctx),
+      local=local,
+      state=state,
+      records=records,
+      background=background,
+      orbax_ready=orbax.ready,
     )
+    history = _history(root, run_id) if topo.is_primary_process else None
     tiers = dict(local=local, persistent=commits.persistent, state=state)
     host = host_identity(options.host_id)
     link = redundancy_links.start(
@@ -171,6 +183,7 @@ class Parts:
       records=records,
       background=background,
       redundancy=link,
+      cadence=cadence_lib.for_job(ctx, background=background, history=history),
     )
     parts = cls(
       ctx=ctx,
@@ -188,11 +201,12 @@ class Parts:
       inventory=Inventory(ctx, host=host, **tiers),
       restorer=Restorer(ctx, staging=staging, orbax_start=orbax.start, **tiers),
     )
-    parts._started(root)
+    parts._started(root, history)
     return parts
 
-  def _started(self, root: epath.Path) -> None:
-    """The run's record (the primary's run.json), its first event and log line."""
+  def _started(self, root: epath.Path, history: FailureHistory | None) -> None:
+    """The run's record (the primary's run.json, with this start counted in
+    `history`), its first event and log line."""
     topo, options = self.ctx.topology, self.ctx.options
     if topo.is_primary_process:
       persistent_layout.write_run_info(
@@ -200,8 +214,8 @@ class Parts:
         {
           "run_id": self.run_id,
           "topology": topo.fingerprint(),
-          "local_save_interval_steps": options.local.save_interval_steps,
-          "persistent_save_interval_steps": options.persistent.save_interval_steps,
+          **cadence_lib.run_record(options),
+          **(history.as_record() if history is not None else {}),
         },
       )
     self.ctx.events.record(
@@ -359,3 +373,16 @@ class Parts:
     self.ctx.events.close()
     # Its thread idle before the caller may shut jax.distributed down.
     self.ctx.collectives.wait_deleted(KEY_DELETE_WAIT_S)
+
+
+def _history(root: epath.Path, run_id: str) -> FailureHistory:
+  """This run's starts, this one counted, from the run.json an earlier
+  start of the run wrote (the primary process: persistent "auto" estimates
+  the mean time between failures from them). An unreadable run.json counts
+  as none: this start is then the run's first."""
+  try:
+    previous = persistent_layout.read_run_info(root)
+  except Exception as e:  # noqa: BLE001 - only the MTBF estimate suffers
+    logger.debug("run.json unreadable, restarts not counted: %s", e)
+    previous = None
+  return FailureHistory.after(previous, run_id, time.time())

@@ -41,10 +41,32 @@ class LocalTierOptions:
   never share a run folder, and one squatted by another user is refused
   (UnsafeDirectoryError), never written through. `root` is the folder used."""
 
-  save_interval_steps: int = 10
+  save_interval_steps: int | str = 10
   """Save when step % save_interval_steps == 0. Default 10: local saves are
   cheap (one host copy plus a background write), so they can be frequent.
-  An integer >= 1."""
+  An integer >= 1, or "auto": the manager measures what a local save costs
+  the trainer (its save() stall plus how much it slows the steps that run
+  beside its background write) and saves as often as keeps that cost under
+  `overhead_budget` of the step time, with 20% to spare, every step if it
+  can (see the user guide, "Save intervals chosen for you"). With save_interval_s, leave this
+  at its default."""
+
+  save_interval_s: float | None = None
+  """Save about every this many seconds instead of every N steps, for
+  trainers whose step time varies: the primary process turns it into a step
+  interval from the measured step time (the smallest interval of at least
+  this many seconds), re-planned as the step time changes; every process
+  saves the same steps. In a job of one process: the first step at least
+  this long after the tier's previous save. Default None: off (the step
+  interval decides). None or a number > 0; save_interval_steps must then be
+  left at its default (setting both is refused as ambiguous)."""
+
+  overhead_budget: float = 0.01
+  """With save_interval_steps "auto": the largest share of the step time
+  that local saves may cost, averaged over the steps (a save's stall plus
+  its slowdown of the steps beside its write, divided by the interval).
+  Default 0.01 (1%): frequent local copies for a cost hard to see in the
+  step time. A number > 0 and < 1; only with "auto"."""
 
   max_to_keep: int = 2
   """Local steps kept per process. Default 2 keeps one step to fall back on
@@ -141,9 +163,31 @@ class PersistentTierOptions:
   process can reach. Required: no default. Holds tensors/ (Orbax), state/
   (JSON per process) and run.json. A non-empty string."""
 
-  save_interval_steps: int = 100
+  save_interval_steps: int | str = 100
   """Save when step % save_interval_steps == 0. Default 100, 10x rarer than
-  the local tier: uploads are slow and use bandwidth. An integer >= 1."""
+  the local tier: uploads are slow and use bandwidth. An integer >= 1, or
+  "auto": Young and Daly's interval sqrt(2 x C x MTBF) seconds, in steps of
+  the measured step time, where C is the measured cost of one persistent
+  save (its save() stall plus its slowdown of the steps beside its upload)
+  and MTBF is `mean_time_between_failures_s`, else estimated from this
+  run's restarts (see the user guide, "Save intervals chosen for you").
+  With save_interval_s, leave this at its default."""
+
+  save_interval_s: float | None = None
+  """Save about every this many seconds instead of every N steps (as
+  local.save_interval_s: the primary process turns it into a step interval
+  from the measured step time). Default None: off. None or a number > 0;
+  save_interval_steps must then be left at its default (setting both is
+  refused as ambiguous)."""
+
+  mean_time_between_failures_s: float | None = None
+  """With save_interval_steps "auto": the job's mean time between failures
+  (anything that restarts it), in seconds, for Young and Daly's interval.
+  Default None: estimated from this run's history, the time since its
+  first start divided by its restarts (each start of a manager on this
+  persistent directory and run_id after the first counts as one), and 24
+  hours (or the run's age, if longer) while it has never restarted. A
+  number > 0; only with "auto"."""
 
   max_to_keep: int | None = 3
   """Persistent steps kept (newest first). Default 3: a few steps to fall

@@ -12,6 +12,7 @@ Called by: options.py only.
 from __future__ import annotations
 
 import ipaddress
+import math
 import re
 from typing import Any
 
@@ -69,6 +70,88 @@ def optional_positive_int(value: Any, name: str) -> None:
     positive_int(value, name)
 
 
+AUTO = "auto"
+"""The save_interval_steps value that lets the manager choose the interval."""
+
+DEFAULT_INTERVALS = {"local": 10, "persistent": 100}
+"""Each tier's default save_interval_steps (options.py): the value that
+save_interval_s takes over from."""
+
+DEFAULT_OVERHEAD_BUDGET = 0.01
+"""local.overhead_budget's default (options.py)."""
+
+
+def _number(value: Any) -> bool:
+  """A finite int or float that is not a bool."""
+  return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_cadence(o: Any, tier: str) -> None:
+  """Checks a tier's save_interval_steps, save_interval_s and, per tier,
+  overhead_budget (local) or mean_time_between_failures_s (persistent).
+
+  Rules: save_interval_steps is an integer >= 1 or "auto"; save_interval_s
+  is None or a number > 0 and may only be set while save_interval_steps is
+  left at its default (an explicit interval and seconds together are
+  ambiguous, and so are "auto" and seconds); overhead_budget is in (0, 1)
+  and mean_time_between_failures_s is None or > 0, and each may only differ
+  from its default with save_interval_steps "auto" (they tune it, nothing
+  else), so a setting that would do nothing is refused, not ignored.
+
+  Args:
+    o: a LocalTierOptions or PersistentTierOptions.
+    tier: "local" or "persistent" (names the fields in messages).
+
+  Raises:
+    InvalidOptionsError: naming the field, what is wrong and how to fix it.
+  """
+  steps = o.save_interval_steps
+  if steps != AUTO:
+    require(
+      isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1,
+      f"{tier}.save_interval_steps must be an integer >= 1 or 'auto', got {steps!r}.",
+    )
+  seconds = o.save_interval_s
+  if seconds is not None:
+    require(
+      _number(seconds) and seconds > 0,
+      f"{tier}.save_interval_s must be a number of seconds > 0, or None (off), got {seconds!r}.",
+    )
+    require(
+      steps == DEFAULT_INTERVALS[tier],
+      f"{tier}.save_interval_s={seconds!r} and {tier}.save_interval_steps={steps!r} are both"
+      f" set, which is ambiguous: keep one. Remove save_interval_steps to save about every"
+      f" {seconds!r} seconds, or set save_interval_s to None to save by steps.",
+    )
+  if tier == "local":
+    budget = o.overhead_budget
+    require(
+      _number(budget) and 0 < budget < 1,
+      f"local.overhead_budget must be a fraction of the step time > 0 and < 1 (e.g. 0.01"
+      f" for 1%), got {budget!r}.",
+    )
+    require(
+      steps == AUTO or budget == DEFAULT_OVERHEAD_BUDGET,
+      f"local.overhead_budget={budget!r} only tunes local.save_interval_steps: auto, but"
+      f" local.save_interval_steps is {steps!r}. Set local.save_interval_steps: auto, or"
+      " remove overhead_budget.",
+    )
+  else:
+    mtbf = o.mean_time_between_failures_s
+    require(
+      mtbf is None or (_number(mtbf) and mtbf > 0),
+      "persistent.mean_time_between_failures_s must be a number of seconds > 0, or None"
+      f" (estimated from this run's restarts), got {mtbf!r}.",
+    )
+    require(
+      mtbf is None or steps == AUTO,
+      f"persistent.mean_time_between_failures_s={mtbf!r} only tunes"
+      f" persistent.save_interval_steps: auto, but persistent.save_interval_steps is"
+      f" {steps!r}. Set persistent.save_interval_steps: auto, or remove"
+      " mean_time_between_failures_s.",
+    )
+
+
 def parse_port_range(value: Any, name: str = "peer.ports") -> tuple[int, int] | None:
   """A port option as an inclusive range.
 
@@ -118,7 +201,7 @@ def check_local(o: Any) -> None:
     o.directory is None or "://" not in o.directory,
     f"local.directory={o.directory!r} must be a node-local path, not a URL.",
   )
-  positive_int(o.save_interval_steps, "local.save_interval_steps")
+  check_cadence(o, "local")
   positive_int(o.max_to_keep, "local.max_to_keep")
   optional_positive_int(o.keep_period, "local.keep_period")
   optional_positive_int(o.keep_best, "local.keep_best")
@@ -168,7 +251,7 @@ def check_persistent(o: Any) -> None:
     isinstance(o.directory, str) and bool(o.directory),
     "persistent.directory must be a non-empty path or gs:// URL.",
   )
-  positive_int(o.save_interval_steps, "persistent.save_interval_steps")
+  check_cadence(o, "persistent")
   if o.max_to_keep is not None:
     positive_int(o.max_to_keep, "persistent.max_to_keep")
   optional_positive_int(o.keep_period, "persistent.keep_period")

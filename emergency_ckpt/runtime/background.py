@@ -79,6 +79,13 @@ class Lane(SerialExecutor):
       self._last = fut
     return fut
 
+  @property
+  def busy(self) -> bool:
+    """Whether a task of the lane is queued or running. Blocks on a short lock."""
+    with self._last_lock:
+      last = self._last
+    return last is not None and not last.done()
+
   def wait_queued(self) -> None:
     """Blocks until every task submitted so far is done; never raises their
     errors (their owners do). Not from the lane's own thread."""
@@ -128,6 +135,17 @@ class Background:
         lane = Lane(f"ec-{name}", lower_thread_priority if low_priority else None)
         self._lanes[name] = lane
       return lane
+
+  def busy(self, lane: str) -> bool:
+    """Whether lane `lane` has a task queued or running (False for a lane
+    never used). Called by: any thread. Blocks on short locks.
+
+    Args:
+      lane: the lane's name.
+    """
+    with self._lock:
+      found = self._lanes.get(lane)
+    return found is not None and found.busy
 
   def submit(self, lane: str, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
     """Runs fn(*args) on `lane`, tracked (its error is raised later).

@@ -47,6 +47,7 @@ if TYPE_CHECKING:
   from emergency_ckpt.local.tier import WriteResult
   from emergency_ckpt.runtime.background import Background
   from emergency_ckpt.runtime.staging import StagingArea
+  from emergency_ckpt.save.cadence import Cadence
   from emergency_ckpt.save.commit import Commits
   from emergency_ckpt.save.tiers import LocalWriter, RedundancyLink
 
@@ -92,6 +93,7 @@ class SavePipeline:
     records: StepRecords,
     background: Background,
     redundancy: RedundancyLink | None = None,
+    cadence: Cadence | None = None,
   ):
     """Decides, once, whether the persistent upload reads the staged
     snapshot instead of Orbax copying the device arrays inline, and in
@@ -107,6 +109,8 @@ class SavePipeline:
       records: the manager's per-step records.
       background: the manager's background lanes.
       redundancy: the partner or XOR link (redundancy.links.start), or None.
+      cadence: which steps the tiers save, when an interval is "auto" or in
+        seconds (cadence.for_job); None: the fixed intervals decide.
     """
     self._ctx = ctx
     self._commits = commits
@@ -116,6 +120,7 @@ class SavePipeline:
     self._records = records
     self._background = background
     self._redundancy = redundancy
+    self._cadence = cadence
     self._protection = Protection(ctx, commits=commits, local=local, redundancy=redundancy)
     self._upload_snapshots, self._upload_memory_kind = upload_memory_kind(ctx.mesh.local_devices)
     self._admission = UploadAdmission(
@@ -131,12 +136,14 @@ class SavePipeline:
     metrics: dict[str, float] | None,
     force: bool,
   ) -> bool:
-    """Saves `step` to the tiers whose interval it hits (both if `force`):
-    stages `state` and starts the background work; records the save event.
+    """Saves `step` to the tiers whose interval it hits (both if `force`; with
+    "auto" or save_interval_s, the steps the cadence agreed): stages `state`
+    and starts the background work; records the save event.
     Called by: every process (the manager's save(), which checked the step).
     Blocks on the copy only (and on a free staging buffer); never on the
     persistent tier: a persistent step that comes while the last upload
-    still runs is skipped (persistent/admission.py).
+    still runs is skipped (persistent/admission.py). With a cadence, also
+    on its rare wait for the primary's schedule (cadence.py).
 
     Args:
       step: the step.
@@ -151,14 +158,19 @@ class SavePipeline:
     Raises:
       DataStateError: `data_state` cannot be stored as JSON.
       MetricsError: `metrics` is not a dict of finite numbers.
+      CollectiveTimeoutError: with a cadence, the primary's schedule for
+        `step` did not come within collective_timeout_s.
     """
-    options = self._ctx.options
-    decision = policies.decide_save(
-      step,
-      local_interval=options.local.save_interval_steps,
-      persistent_interval=options.persistent.save_interval_steps,
-      force=force,
-    )
+    if self._cadence is not None:  # "auto" or seconds: the agreed schedule (cadence.py)
+      decision = self._cadence.decide(step, force=force)
+    else:
+      options = self._ctx.options
+      decision = policies.decide_save(
+        step,
+        local_interval=options.local.save_interval_steps,
+        persistent_interval=options.persistent.save_interval_steps,
+        force=force,
+      )
     if not decision.any:
       return False
     started = time.monotonic()
@@ -171,7 +183,26 @@ class SavePipeline:
       self._start(step, state, data_state, decision, metrics, started, returned)
     finally:
       returned.set()
+      if self._cadence is not None:  # the stall ends here: measured
+        self._cadence.saved(step, decision)
     return True
+
+  def would_save(self, step: int) -> policies.SaveDecision:
+    """Which tiers save(step) would save, as far as this process knows now
+    (exact for fixed intervals; with "auto" or seconds, up to the steps
+    agreed so far). Called by: any process. Blocks on nothing.
+
+    Args:
+      step: the step.
+    """
+    if self._cadence is not None:
+      return self._cadence.would_save(step)
+    options = self._ctx.options
+    return policies.decide_save(
+      step,
+      local_interval=options.local.save_interval_steps,
+      persistent_interval=options.persistent.save_interval_steps,
+    )
 
   def _start(
     self,

@@ -1,7 +1,9 @@
-"""The save decision: which tiers save a step. Pure, the same on every process.
+"""The save decision of fixed step intervals: which tiers save a step. Pure,
+the same on every process. Intervals that are "auto" or in seconds are
+decided by cadence.py, which uses this SaveDecision.
 
 Retention (which steps to keep) is retention/. Called by: the save
-pipeline, and the Orbax facade's should_save()."""
+pipeline (its save() and would_save())."""
 
 from __future__ import annotations
 
