@@ -393,7 +393,7 @@ def assemble_many(
     first = by_index[indices[0]] if whole else None
     if first is not None and first.nbytes <= SMALL_LEAF:
       direct.append(i)
-      direct_pieces.append(first)
+      direct_pieces.append(np.array(first))  # its own bytes: jax may alias what it is given
       direct_targets.append(sharding)
       continue
     split.append((i, sharding, shape, len(pieces), len(devices)))
@@ -401,7 +401,7 @@ def assemble_many(
     targets.extend(targets_of)
   out: list[Any] = [None] * len(arrays_by_index)
   if direct:
-    for i, x in zip(direct, jax.device_put(direct_pieces, direct_targets, may_alias=False)):
+    for i, x in zip(direct, jax.device_put(direct_pieces, direct_targets, may_alias=True)):
       out[i] = x
   if split:
     placed = jax.device_put(pieces, targets, may_alias=True)
@@ -411,8 +411,10 @@ def assemble_many(
 
 
 SMALL_LEAF = 1 << 20
-"""Replicated leaves up to this size are restored as a copy in one batched
-device_put; bigger ones alias their host bytes on CPU (no copy at all)."""
+"""Replicated leaves up to this size are restored as a copy (made here:
+with some jax versions a batched device_put aliases even when told not
+to) in one batched device_put; bigger ones alias their host bytes on CPU
+(no copy at all)."""
 
 
 def _placement(sharding, shape: tuple[int, ...], memory_kind: str | None) -> tuple:
