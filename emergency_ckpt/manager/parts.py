@@ -12,7 +12,8 @@ redundancy link (an exchange: after the persistent tier's bucket check,
 so a missing bucket fails every process before any waits on another);
 the save pipeline, with its cadence where an interval is "auto" or in
 seconds; the inventory and the restorer. Then the primary process
-records the run (run.json, with this run's starts counted).
+records the run (run.json; with a chosen interval, this run's starts
+counted).
 
 Waiting (for durable saves) and closing (lanes first, writes before what
 follows them) walk the same parts, so they are here too.
@@ -47,6 +48,7 @@ from emergency_ckpt.retention import rules as retention
 from emergency_ckpt.runtime.background import Background, run_within
 from emergency_ckpt.runtime.staging import StagingArea
 from emergency_ckpt.save import cadence_job as cadence_lib
+from emergency_ckpt.save.cadence import managed
 from emergency_ckpt.save.cadence_targets import FailureHistory
 from emergency_ckpt.save.commit import Commits
 from emergency_ckpt.save.pipeline import SavePipeline
@@ -164,7 +166,8 @@ class Parts:
       background=background,
       orbax_ready=orbax.ready,
     )
-    history = _history(root, run_id) if topo.is_primary_process else None
+    # run.json is read at start only where a chosen interval plans with the run's failures
+    history = _history(root, run_id) if topo.is_primary_process and managed(options) else None
     tiers = dict(local=local, persistent=commits.persistent, state=state)
     host = host_identity(options.host_id)
     link = redundancy_links.start(

@@ -164,13 +164,7 @@ class SavePipeline:
     if self._cadence is not None:  # "auto" or seconds: the agreed schedule (cadence.py)
       decision = self._cadence.decide(step, force=force)
     else:
-      options = self._ctx.options
-      decision = policies.decide_save(
-        step,
-        local_interval=options.local.save_interval_steps,
-        persistent_interval=options.persistent.save_interval_steps,
-        force=force,
-      )
+      decision = self._fixed(step, force)
     if not decision.any:
       return False
     started = time.monotonic()
@@ -197,11 +191,16 @@ class SavePipeline:
     """
     if self._cadence is not None:
       return self._cadence.would_save(step)
+    return self._fixed(step)
+
+  def _fixed(self, step: int, force: bool = False) -> policies.SaveDecision:
+    """The fixed intervals' decision for `step`."""
     options = self._ctx.options
     return policies.decide_save(
       step,
       local_interval=options.local.save_interval_steps,
       persistent_interval=options.persistent.save_interval_steps,
+      force=force,
     )
 
   def _start(
