@@ -44,9 +44,11 @@ def test_step_timer_with_a_restore_splits_the_time_exactly():
     timer.save_returned(step, began, saved=saved)
 
   clock.t = 104.0
-  timer.restored(101.0, ok=True)  # 3 s of restore end the start-up at 104
-  assert events.got == [{"event": "startup", "startup_s": 1.0, "restore_s": 3.0}]
-  save(19, 106.0, 0.5, False)  # trained 2 s
+  timer.restored(101.0, ok=True)  # 3 s of restore end the start-up at 104...
+  assert events.got == []
+  assert timer.snapshot().startup_s == 1.0
+  save(19, 106.0, 0.5, False)  # trained 2 s; ... but for the first save() call
+  assert events.got == [{"event": "startup", "startup_s": 1.5, "restore_s": 3.0, "age_s": 6.5}]
   save(20, 108.5, 0.5, True)  # 2 s; 9 s since the start: no progress event yet
   assert len(events.got) == 1
   save(21, 111.0, 0.25, True)  # 2 s; 11.25 s since the start: progress
@@ -56,7 +58,7 @@ def test_step_timer_with_a_restore_splits_the_time_exactly():
     "last_step": 21,
     "steps": 3,
     "train_s": 6.0,
-    "stall_s": 1.25,
+    "stall_s": 0.75,
   }
   clock.t = 113.0
   timer.restored(112.0, ok=True)  # a restore between two saves is not training
@@ -64,7 +66,7 @@ def test_step_timer_with_a_restore_splits_the_time_exactly():
   clock.t = 120.0
   g = timer.snapshot()
   assert g == Goodput(
-    wall_s=20.0, productive_s=7.75, stall_s=1.75, startup_s=1.0, restore_s=4.0, steps=4
+    wall_s=20.0, productive_s=7.75, stall_s=1.25, startup_s=1.5, restore_s=4.0, steps=4
   )
   assert g.goodput_pct == pytest.approx(38.75) and g.other_s == pytest.approx(5.5)
   assert g.as_dict()["goodput_pct"] == pytest.approx(38.75)
@@ -93,14 +95,16 @@ def test_step_timer_without_a_restore_the_first_save_ends_the_start_up():
   timer.restored(2.0, ok=False)  # nothing restorable: the start-up goes on
   assert events.got == []
   clock.t = 7.0
-  assert timer.save_began() == 7.0  # ends the start-up at 7
-  assert events.got == [{"event": "startup", "startup_s": 6.0, "restore_s": 1.0}]
+  assert timer.save_began() == 7.0
+  assert events.got == []  # the start-up ends as this save() returns (it waits for the set-up)
   clock.t = 7.5
-  timer.save_returned(0, 7.0, saved=True)  # adds no step
+  assert timer.snapshot().startup_s == 6.5
+  timer.save_returned(0, 7.0, saved=True)  # adds no step and no stall
+  assert events.got == [{"event": "startup", "startup_s": 6.5, "restore_s": 1.0, "age_s": 7.5}]
   clock.t = 9.0
   timer.save_returned(1, 8.5, saved=False)
   g = timer.snapshot()
-  assert (g.steps, g.productive_s, g.stall_s, g.startup_s, g.restore_s) == (1, 1.0, 1.0, 6.0, 1.0)
+  assert (g.steps, g.productive_s, g.stall_s, g.startup_s, g.restore_s) == (1, 1.0, 0.5, 6.5, 1.0)
   assert g.wall_s == 9.0
 
 
@@ -248,8 +252,9 @@ def test_report_shows_the_goodput(tmp_path, capsys):
   out = capsys.readouterr().out
   assert "goodput              63.25 % (process 0: 52.5 s productive of 83.0 s wall time)" in out
   assert (
-    "time lost            save stalls 3.5 s, restores 2.0 s, start-up 6.0 s, redone work 8.0 s"
-    " (4 steps), down 8.0 s, other 3.0 s"
+    "time lost            save stalls 3.5 s (4.2 %), restores 2.0 s (2.4 %),"
+    " start-up 6.0 s (7.2 %), redone work 8.0 s (9.6 %, 4 steps), down 8.0 s (9.6 %),"
+    " other 3.0 s (3.6 %)"
   ) in out
   assert "no close: FAILED" in out
 
@@ -289,7 +294,7 @@ def test_manager_records_progress_and_startup_and_report_counts_them(
   events = telemetry.read_events(path)
   (startup,) = [e for e in events if e["event"] == "startup"]
   assert startup["restore_s"] == 0.0
-  # recorded as step 0's save() began: the construction began before run_start
+  # recorded as step 0's save() returned: the construction began before run_start
   (run_start,) = [e for e in events if e["event"] == "run_start"]
   assert startup["time"] - startup["startup_s"] <= run_start["time"] + 1e-3
   assert startup["startup_s"] == pytest.approx(g.startup_s, abs=1e-5)
@@ -309,6 +314,10 @@ def test_manager_records_progress_and_startup_and_report_counts_them(
   events = telemetry.read_events(path)
   startups = [e for e in events if e["event"] == "startup"]
   assert len(startups) == 2 and startups[1]["restore_s"] == pytest.approx(g2.restore_s, abs=1e-5)
+  # recorded as step 19's save() returned: its start-up is the restore's, plus that call
+  assert startups[1]["startup_s"] == pytest.approx(g2.startup_s, abs=1e-5)
+  run_starts = [e for e in events if e["event"] == "run_start"]
+  assert startups[1]["time"] - startups[1]["age_s"] <= run_starts[1]["time"] + 1e-3
 
   assert cli_main(["report", str(path), "--json"]) == 0
   s = json.loads(capsys.readouterr().out)["goodput"]
@@ -327,4 +336,4 @@ def test_manager_records_progress_and_startup_and_report_counts_them(
   assert cli_main(["report", str(path)]) == 0
   out = capsys.readouterr().out
   assert f"goodput              {s['goodput_pct']:.2f} % (process 0:" in out
-  assert "(1 steps)" in out and "goodput per incarnation" in out
+  assert "%, 1 steps)" in out and "goodput per incarnation" in out

@@ -11,8 +11,9 @@ event, or its manager's construction, to its last event) splits into:
   `save` events' stall_s);
 - restore: the `restore` events' duration_s;
 - start-up: the `startup` event's startup_s (construction to the end of
-  the first restore, less the restore); an incarnation that ended before
-  it recorded one spent its whole life starting up;
+  the first restore, less the restore, plus the first save() call); an
+  incarnation that ended before it recorded one spent its whole life
+  starting up;
 - lost work: what the next incarnation redid: the steps it trained past the
   step the next incarnation restored (its newest step, from `progress`
   last_step, `save` and `train_step` events, minus the restored step),
@@ -72,10 +73,11 @@ def _incarnation(events: list[dict[str, Any]], t0: float, aware: bool) -> dict[s
   trained = [e for e in trained if _num(e.get("step"))]
   begin, end = events[0]["time"], max(e["time"] for e in events)
   startup = next(iter(of("startup")), None)
-  if startup is not None:
-    begin = min(
-      begin, startup["time"] - _total([startup], "startup_s") - _total([startup], "restore_s")
-    )
+  if startup is not None:  # the manager's construction began before its run_start
+    age = startup.get("age_s")
+    if not _num(age):  # older logs: recorded as the start-up ended
+      age = _total([startup], "startup_s") + _total([startup], "restore_s")
+    begin = min(begin, startup["time"] - age)
   wall = end - begin
   restores = of("restore")
   restore_s = _total(restores, "duration_s")
@@ -256,12 +258,19 @@ def goodput_lines(g: dict[str, Any], style: Style) -> list[str]:
   def s(v: float | None) -> str:
     return "-" if v is None else f"{v:.1f} s"
 
+  def sp(key: str, *more: str) -> str:  # seconds, (share of the wall time, more)
+    share = _pct(g[key], g["wall_s"])
+    notes = [*([f"{share:.1f} %"] if share is not None else []), *more]
+    return s(g[key]) + (f" ({', '.join(notes)})" if notes else "")
+
+  redone = f"{g['lost_steps']} steps"
+
   out = [
     f"goodput              {g['goodput_pct']:.2f} % (process {g['process']}:"
     f" {s(g['productive_s'])} productive of {s(g['wall_s'])} wall time)",
-    f"time lost            save stalls {s(g['stall_s'])}, restores {s(g['restore_s'])},"
-    f" start-up {s(g['startup_s'])}, redone work {s(g['lost_s'])} ({g['lost_steps']} steps),"
-    f" down {s(g['down_s'])}, other {s(g['other_s'])}",
+    f"time lost            save stalls {sp('stall_s')}, restores {sp('restore_s')},"
+    f" start-up {sp('startup_s')}, redone work {sp('lost_s', redone)},"
+    f" down {sp('down_s')}, other {sp('other_s')}",
     "",
     style("goodput per incarnation", "bold"),
   ]

@@ -6,12 +6,16 @@ any restore() in between, is one step's training; time inside save() is
 its stall, saving or not. `StepTimer` keeps running totals of these (O(1)
 memory), and:
 
-- records the start-up once, as a `startup` event: from the manager's
-  construction to the end of the first restore() that returns, or to the
-  first save() call if none came before it; `restore_s` is the time in
-  restore() until then, `startup_s` the rest (set-up, compilation, ...).
-  The save() call that ends a start-up without a restore adds no step: the
-  time before it was the start-up;
+- records the start-up once, as a `startup` event, when the first save()
+  call returns: from the manager's construction to the end of the first
+  restore() that returns (none before the first save(): to the first
+  save() call), plus that first save() call, which waits for the rest of
+  the manager's set-up (Orbax, loaded in the background, then set up by
+  every process together); `restore_s` is the time in restore() until
+  then, `startup_s` the rest (set-up, compilation, ...), `age_s` the time
+  since the manager's construction began. That save() call
+  adds no stall, and a step only if a restore() ended the start-up (the
+  time before it was training, else start-up);
 - records `progress` events, each with the totals since the previous one
   (first_step, last_step, steps, train_s, stall_s): at a save() that
   saved, once PROGRESS_EVERY_S passed since the last one, and at close()
@@ -58,8 +62,9 @@ class Goodput:
     productive_s: training: from each save() call's return to the next
       call, less restore() in between.
     stall_s: inside save(), every call (saving or not).
-    startup_s: the start-up (construction to the first save() call, or to
-      the end of the first restore() that returned), less restore_s of it.
+    startup_s: the start-up (construction to the end of the first
+      restore() that returned, else to the first save() call; plus that
+      first save() call), less restore_s of it.
     restore_s: inside restore(), every call.
     steps: the save() calls whose step's training is in productive_s.
   """
@@ -118,8 +123,10 @@ class StepTimer:
     self._events, self._clock, self._every_s = events, clock, every_s
     self._lock = threading.Lock()
     self._began = began
-    self._ready: float | None = None  # when the start-up ended
-    self._ended_start_up = False  # the save() call under way ended it: no step
+    self._ready: float | None = None  # when a restore() or the first save() call ended it
+    self._startup_s: float | None = None  # the start-up, once the first save() returned
+    self._first_began: float | None = None  # the first save() call's start, while under way
+    self._no_step = False  # the save() call under way ends a start-up without restore
     self._startup_restore_s = 0.0
     self._resumed = began  # the last save() call's return, or the start-up's end
     self._paused_s = 0.0  # restore() time since then: not training
@@ -130,22 +137,24 @@ class StepTimer:
     self._closed = False
 
   def save_began(self) -> float:
-    """A save() call begins; the first, if no restore() returned before
-    it, ends the start-up.
+    """A save() call begins; the first ends the start-up when it returns.
 
     Returns:
       Its time on the clock, for save_returned().
     """
     now = self._clock()
     with self._lock:
-      if self._ready is None:
-        self._ended_start_up = True
-        self._start_up_ended(now)
+      if self._startup_s is None:
+        self._first_began = now
+        if self._ready is None:  # no restore() returned: the time before it was start-up
+          self._ready = self._resumed = now
+          self._no_step = True
     return now
 
   def restored(self, began: float, *, ok: bool) -> None:
     """A restore() call that began at `began` (on the clock) just ended;
-    `ok`: it returned (the first such call ends the start-up)."""
+    `ok`: it returned (the first such call ends the start-up but for the
+    first save() call)."""
     now = self._clock()
     with self._lock:
       spent = now - began
@@ -153,7 +162,7 @@ class StepTimer:
       if self._ready is None:
         self._startup_restore_s += spent
         if ok:
-          self._start_up_ended(now)
+          self._ready = self._resumed = now
       else:
         self._paused_s += spent
 
@@ -163,9 +172,7 @@ class StepTimer:
     now = self._clock()
     with self._lock:
       w = self._window
-      if self._ended_start_up:
-        self._ended_start_up = False
-      else:
+      if not self._no_step:  # its training: since the last return (or restore)
         train = max(0.0, began - self._resumed - self._paused_s)
         self._train_s += train
         self._steps += 1
@@ -173,8 +180,13 @@ class StepTimer:
         w.steps += 1
         w.first_step = step if w.first_step is None else w.first_step
         w.last_step = step
-      self._stall_s += now - began
-      w.stall_s += now - began
+      self._no_step = False
+      if self._startup_s is None:  # the manager's set-up ends in it: start-up, not a stall
+        self._first_began = None
+        self._start_up_ended(now - began)
+      else:
+        self._stall_s += now - began
+        w.stall_s += now - began
       self._resumed, self._paused_s = now, 0.0
       if saved and now - self._last_progress >= self._every_s:
         self._progress(now)
@@ -191,23 +203,29 @@ class StepTimer:
     """The totals as of now (CheckpointManager.goodput())."""
     now = self._clock()
     with self._lock:
-      ready = now if self._ready is None else self._ready
-      restore_in_startup = self._startup_restore_s
+      startup_s = self._startup_s
+      if startup_s is None:  # under way: to now, or to the restore plus the first save() so far
+        ready = now if self._ready is None else self._ready
+        first = 0.0 if self._first_began is None else now - self._first_began
+        startup_s = max(0.0, ready - self._began - self._startup_restore_s) + first
       return Goodput(
         wall_s=now - self._began,
         productive_s=self._train_s,
         stall_s=self._stall_s,
-        startup_s=max(0.0, ready - self._began - restore_in_startup),
+        startup_s=startup_s,
         restore_s=self._restore_s,
         steps=self._steps,
       )
 
-  def _start_up_ended(self, at: float) -> None:
-    self._ready = self._resumed = at
+  def _start_up_ended(self, first_call_s: float) -> None:
+    """The first save() call (`first_call_s` long) returns: the start-up is known."""
+    before = max(0.0, self._ready - self._began - self._startup_restore_s)
+    self._startup_s = before + first_call_s
     self._events.record(
       "startup",
-      startup_s=round(max(0.0, at - self._began - self._startup_restore_s), 6),
+      startup_s=round(self._startup_s, 6),
       restore_s=round(self._startup_restore_s, 6),
+      age_s=round(self._clock() - self._began, 6),
     )
 
   def _progress(self, now: float, *, closed: bool = False) -> None:

@@ -24,9 +24,12 @@ e.g. "train_step" with step and duration_s):
   restore       step, source ("local" | "peer" | "partner" | "parity" |
                 "persistent"), duration_s, bytes, error, tried (steps
                 rejected before this one)
-  startup       startup_s, restore_s: once per manager, from its construction
-                to the end of the first restore() that returned (or to the
-                first save() call): the time in restore() and the rest
+  startup       startup_s, restore_s, age_s: once per manager, written when
+                the first save() call returns: from its construction to the
+                end of the first restore() that returned (or to the first
+                save() call), plus that first save() call (it waits for the
+                manager's set-up): the time in restore() and the rest;
+                age_s, the time since the construction began
   progress      first_step, last_step, steps, train_s, stall_s: the save()
                 calls since the previous progress event (steps: those whose
                 training, the time since the previous call, is in train_s;

@@ -6,8 +6,8 @@ background lanes, per-step records and staging area; Orbax's background
 loader; the local tier; the state store; the event log and the JobContext
 every orchestrator takes; Commits, which builds the persistent tier (the
 tier reports each finalized step to Commits, so Commits exists first) and
-the retainer (which needs that tier; with a persistent interval chosen by
-the manager it sees an interval of 1, save/cadence_job.py); the
+the retainer (which needs that tier; where an interval is chosen by the
+manager it follows the cadence's persistent steps, save/cadence_job.py); the
 redundancy link (an exchange: after the persistent tier's bucket check,
 so a missing bucket fails every process before any waits on another);
 the save pipeline, with its cadence where an interval is "auto" or in
@@ -159,7 +159,7 @@ class Parts:
       health=HealthTracker(tracked),
     )
     commits = Commits(
-      cadence_lib.retention_context(ctx),
+      ctx,
       local=local,
       state=state,
       records=records,
@@ -178,6 +178,9 @@ class Parts:
       host_label=host,
       mapped=local.mapped,
     )
+    cadence = cadence_lib.for_job(ctx, background=background, history=history)
+    if cadence is not None:  # the state of the steps it sends to the persistent tier
+      commits.retainer.follow_uploads(cadence.persistent_steps)
     saves = SavePipeline(
       ctx,
       commits=commits,
@@ -186,7 +189,7 @@ class Parts:
       records=records,
       background=background,
       redundancy=link,
-      cadence=cadence_lib.for_job(ctx, background=background, history=history),
+      cadence=cadence,
     )
     parts = cls(
       ctx=ctx,

@@ -14,7 +14,8 @@ a protection holds it. Protections, whatever the rules say:
   restorable yet: nothing is deleted.
 - state store: the state of every persistent step and of every local step
   kept, the newest commit and every newer step (none committed yet: every
-  step), every persistent-interval step newer than the newest persistent step
+  step), every step saved to the persistent tier (a persistent-interval
+  step, or one the manager names) newer than the newest persistent step
   (its upload may be in flight), and among committed steps what the LOCAL
   tier's rules keep (plus `extra_newest`).
 
@@ -156,6 +157,7 @@ def state_plan(
   persistent: Iterable[int] = (),
   local_kept: Iterable[int] = (),
   persistent_interval: int | None = None,
+  uploading: Iterable[int] = (),
   metrics: Metrics | None = None,
   extra_newest: int = 0,
 ) -> Plan:
@@ -171,7 +173,11 @@ def state_plan(
       as the copy may be restored).
     persistent: the persistent steps that stay (their state is kept).
     local_kept: local steps known to stay (gc).
-    persistent_interval: the persistent tier's save interval (None: unknown).
+    persistent_interval: the persistent tier's fixed save interval: its
+      steps are persistent steps (None: unknown, or chosen by the manager).
+    uploading: steps saved to the persistent tier besides those of
+      `persistent_interval` (the manager's, where it chooses the interval:
+      the steps its schedule sent there, forced saves included).
     metrics: {step: {metric name: value}} for keep_best.
     extra_newest: committed steps kept beyond `rules.max_to_keep` (the
       manager passes LOCAL_LAG_STEPS).
@@ -185,6 +191,13 @@ def state_plan(
   local_kept = set(local_kept)
   newest_commit = max(committed_set, default=None)
   newest_persistent = max(persistent, default=None)
+  uploading = set(uploading)
+
+  def uploads(s: int) -> bool:  # a persistent step whose upload may be in flight
+    if newest_persistent is not None and s <= newest_persistent:
+      return False
+    return s in uploading or (persistent_interval is not None and s % persistent_interval == 0)
+
   protected: dict[int, str] = {}
   for s in listed:
     if s in persistent:
@@ -197,11 +210,7 @@ def state_plan(
       protected[s] = "newest commit (the newest restorable candidate)"
     elif s > newest_commit:
       protected[s] = "uncommitted, newer than the newest commit (may be in flight)"
-    elif (
-      persistent_interval is not None
-      and s % persistent_interval == 0
-      and (newest_persistent is None or s > newest_persistent)
-    ):
+    elif uploads(s):
       protected[s] = (
         "a persistent step newer than the newest finalized one (upload may be in flight)"
       )

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable, Collection
 
 from emergency_ckpt.core.records import StepRecords
 from emergency_ckpt.retention import plans
@@ -69,6 +70,29 @@ class Retainer:
     self._pass_queued = False
     # uncommitted local steps: the state lane's claims against this retention's drops
     self.claims = CommitClaims()
+    self._uploads: Callable[[int | None], Collection[int]] | None = None
+
+  def follow_uploads(self, steps: Callable[[int | None], Collection[int]]) -> None:
+    """Where the manager's cadence decides the saves (an interval "auto" or
+    in seconds): `steps(newer_than)` names the steps it sent to the
+    persistent tier newer than a step, forced ones too
+    (Cadence.persistent_steps); the state store keeps their state while
+    their upload may be in flight (with a chosen persistent interval,
+    exactly theirs). Called by: the manager's parts, once, before the
+    first save."""
+    self._uploads = steps
+
+  def _uploading(self, newest: int | None) -> tuple[int | None, Collection[int]]:
+    """The persistent steps whose upload may be in flight, as state_plan
+    takes them: (the fixed interval, the steps named by follow_uploads)
+    newer than `newest`, the newest finalized step. A chosen interval that
+    nobody names the steps of: every step (interval 1)."""
+    tier = self._options.persistent
+    steps = tier.save_interval_steps
+    fixed = steps if isinstance(steps, int) and tier.save_interval_s is None else None
+    if self._uploads is None:
+      return (1 if fixed is None else fixed), ()
+    return fixed, self._uploads(newest)
 
   # ---- ranking ---------------------------------------------------------------
   def metrics_of(self, steps) -> dict[int, dict]:
@@ -138,12 +162,15 @@ class Retainer:
     """Primary process: deletes state steps no tier needs any more."""
     listed = self._state.listed_steps()  # one listing of the root per save
     committed = self._state.committed_steps(listed)  # new COMMITs read, once each
+    persistent = self._persistent.steps()
+    interval, uploading = self._uploading(max(persistent, default=None))
     plan = plans.state_plan(
       listed,
       committed,
       Rules.for_tier(self._options, "local"),
-      persistent=self._persistent.steps(),
-      persistent_interval=self._options.persistent.save_interval_steps,
+      persistent=persistent,
+      persistent_interval=interval,
+      uploading=uploading,
       metrics=self.metrics_of(committed),
       extra_newest=plans.LOCAL_LAG_STEPS,
     )

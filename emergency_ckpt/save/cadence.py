@@ -45,6 +45,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
@@ -170,6 +171,8 @@ class Cadence:
     self._last_s: dict[str, float | None] = {}  # single process, seconds: last save's time
     self.waits = 0
     """How often this process polled for a late head (tests, logs)."""
+    self._uploads: list[int] = []  # the primary: steps decided persistent (persistent_steps)
+    self._uploads_lock = threading.Lock()
 
   # ---- every process ---------------------------------------------------------
   def decide(self, step: int, *, force: bool = False) -> SaveDecision:
@@ -193,6 +196,9 @@ class Cadence:
     if not self._deciding and decision.any and step >= self._refresh_at:
       self._read()
     if self._deciding:
+      if decision.persistent:
+        with self._uploads_lock:
+          self._uploads.append(step)
       busy = self._busy()
       self.costs.call(step, now, busy)
       if not decision.any:
@@ -218,6 +224,17 @@ class Cadence:
     if self._schedules is None:
       return SaveDecision(*(p.managed or step % p.fixed == 0 for p in self._tiers()))
     return self._decision(step, self._clock(), False, peek=True)
+
+  def persistent_steps(self, newer_than: int | None) -> list[int]:
+    """The steps decide() sent to the persistent tier (forced ones too)
+    newer than `newer_than`; older ones are forgotten. Only the primary
+    process keeps them: the state retention of the steps whose upload may
+    be in flight (retention/retainer.py). Called by: the primary's commit
+    lane. Blocks on nothing."""
+    with self._uploads_lock:
+      if newer_than is not None:
+        self._uploads = [s for s in self._uploads if s > newer_than]
+      return list(self._uploads)
 
   def interval(self, tier: str) -> int | None:
     """The newest interval `tier` follows (None: fixed, or not yet decided)."""

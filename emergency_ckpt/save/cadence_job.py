@@ -1,12 +1,12 @@
 """The save cadence (cadence.py) wired into a manager: what it measures
-(the work in flight), the options the retainer sees, and run.json's fields.
+(the work in flight) and run.json's fields.
 
-With persistent "auto" or save_interval_s any step may be a persistent
-step, so the retainer (retention/, which keeps the state of a persistent
-step newer than the newest finalized one, as its upload may be in flight)
-is given an interval of 1 (`retention_context`): while an upload is in
-flight, the state store keeps the state of every step since the newest
-finalized persistent step, and deletes them once a newer one finalizes.
+With persistent "auto" or save_interval_s, the retainer (retention/, which
+keeps the state of a persistent step newer than the newest finalized one,
+as its upload may be in flight) learns the persistent steps from the
+cadence (Cadence.persistent_steps, followed by the manager's parts): the
+state store keeps the state of exactly the steps sent to the persistent
+tier, not of every step.
 
 Called by: the manager's parts (manager/parts.py), on every process while
 the manager is built. Blocks on nothing.
@@ -14,7 +14,6 @@ the manager is built. Blocks on nothing.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -76,25 +75,12 @@ def for_job(
   )
 
 
-def retention_context(ctx: JobContext) -> JobContext:
-  """The job as the commits and the retainer see it: `ctx` itself, or with
-  persistent "auto" or save_interval_s, its options with a persistent
-  interval of 1 (see the module docstring)."""
-  persistent = ctx.options.persistent
-  if not TierPlan.of(persistent).managed:
-    return ctx
-  every_step = dataclasses.replace(
-    persistent, save_interval_steps=1, save_interval_s=None, mean_time_between_failures_s=None
-  )
-  return dataclasses.replace(ctx, options=dataclasses.replace(ctx.options, persistent=every_step))
-
-
 def run_record(options: Any) -> dict:
   """run.json's save-interval fields: each tier's save_interval_steps and
   save_interval_s; "persistent_save_interval_steps" is an integer
-  (`emergency-ckpt gc` protects the state of the steps it names whose
-  upload may be in flight): 1 with "auto" or seconds, where any step may be
-  a persistent step."""
+  (`emergency-ckpt gc`, which cannot ask the running manager, protects the
+  state of the steps it names whose upload may be in flight): 1 with
+  "auto" or seconds, where any step may be a persistent step."""
   local, persistent = options.local, options.persistent
   return {
     "local_save_interval_steps": local.save_interval_steps,
