@@ -15,6 +15,7 @@ from emergency_ckpt.core import shards as shards_lib
 from emergency_ckpt.errors import CorruptCheckpointError, PeerTransferError
 from emergency_ckpt.local.format import LocalStep, shard_checksum
 from emergency_ckpt.transport import handshake, protocol, routing
+from emergency_ckpt.transport import pull as peer_pull
 from emergency_ckpt.transport import stream as peer_stream
 
 
@@ -126,9 +127,39 @@ def test_pull_receives_every_shard_bit_exactly(served):
   server, paths, arrays = served
   items, nbytes = _items(arrays)
   buffer = np.zeros(nbytes, np.uint8)
-  peer_stream.pull(server.offer(), 0, 7, items, paths, buffer, timeout_s=10)
+  peer_pull.pull(server.offer(), 0, 7, items, paths, buffer, timeout_s=10)
   want = np.concatenate([arr.view(np.uint8) for by in arrays for arr in by.values()])
   assert buffer.tobytes() == want.tobytes()
+
+
+def test_receive_over_several_streams_per_sender(served, monkeypatch):
+  """A sender's shards split over three connections still land bit-exactly."""
+  server, paths, arrays = served
+  items, nbytes = _items(arrays)
+  monkeypatch.setattr(peer_pull, "streams_per_sender", lambda: 3)
+  monkeypatch.setattr(peer_pull, "STREAM_MIN_BYTES", 1)
+  opened = []
+  real = peer_pull.pull
+  monkeypatch.setattr(peer_pull, "pull", lambda *a, **k: opened.append(len(a[3])) or real(*a, **k))
+  layout = shards_lib.Layout((), nbytes)
+  buffer = peer_pull.receive({0: server.offer()}, layout, paths, {0: items}, step=7, timeout_s=10)
+  want = np.concatenate([arr.view(np.uint8) for by in arrays for arr in by.values()])
+  assert buffer.tobytes() == want.tobytes()
+  assert sorted(opened) == [1, 1, 2]  # 4 shards over 3 connections
+
+
+def test_split_streams_keeps_order_and_balances_bytes(monkeypatch):
+  slot = lambda n: shards_lib.ShardSlot(((0, 1),), 0, n, ())  # noqa: E731
+  items = [(i, slot(n)) for i, n in enumerate([40, 10, 10, 40, 50, 50])]
+  assert peer_pull.split_streams(items, 3) == [items]  # under STREAM_MIN_BYTES: one stream
+  big = [(i, slot(peer_pull.STREAM_MIN_BYTES)) for i in range(8)]
+  assert [len(r) for r in peer_pull.split_streams(big, 4)] == [2, 2, 2, 2]
+  monkeypatch.setattr(peer_pull, "STREAM_MIN_BYTES", 1)
+  runs = peer_pull.split_streams(items, 3)
+  assert [item for run in runs for item in run] == items
+  assert [sum(s.nbytes for _, s in run) for run in runs] == [100, 50, 50]
+  assert peer_pull.split_streams(items, 1) == [items]
+  assert len(peer_pull.split_streams(items[:2], 8)) == 2  # never more runs than shards
 
 
 def test_a_client_without_the_token_gets_nothing(served):
@@ -136,7 +167,7 @@ def test_a_client_without_the_token_gets_nothing(served):
   offer = dict(server.offer(), token="00" * protocol.TOKEN_BYTES)
   items, nbytes = _items(arrays)
   with pytest.raises(ConnectionError):
-    peer_stream.pull(offer, 0, 7, items, paths, np.zeros(nbytes, np.uint8), timeout_s=10)
+    peer_pull.pull(offer, 0, 7, items, paths, np.zeros(nbytes, np.uint8), timeout_s=10)
   with socket.create_connection((server.host, server.port), timeout=5) as raw:
     raw.sendall(b"GET / HTTP/1.0\r\n\r\n" + b"x" * 64)
     got = _until_closed(raw)
@@ -162,7 +193,7 @@ def test_a_request_for_another_step_is_refused(served):
   server, paths, arrays = served
   items, nbytes = _items(arrays)
   with pytest.raises(PeerTransferError, match="serves step 7"):
-    peer_stream.pull(server.offer(), 0, 8, items, paths, np.zeros(nbytes, np.uint8), timeout_s=10)
+    peer_pull.pull(server.offer(), 0, 8, items, paths, np.zeros(nbytes, np.uint8), timeout_s=10)
 
 
 def test_a_shard_the_sender_lacks_is_refused(served):
@@ -171,7 +202,7 @@ def test_a_shard_the_sender_lacks_is_refused(served):
   leaf_no, slot = items[0]
   items[0] = (leaf_no, dataclasses.replace(slot, index=((5, 9),)))
   with pytest.raises(PeerTransferError, match="no shard"):
-    peer_stream.pull(server.offer(), 0, 7, items, paths, np.zeros(nbytes, np.uint8), timeout_s=10)
+    peer_pull.pull(server.offer(), 0, 7, items, paths, np.zeros(nbytes, np.uint8), timeout_s=10)
 
 
 def test_a_shard_damaged_on_the_wire_fails_its_checksum(served, monkeypatch):
@@ -181,12 +212,12 @@ def test_a_shard_damaged_on_the_wire_fails_its_checksum(served, monkeypatch):
   )
   items, nbytes = _items(arrays)
   with pytest.raises(CorruptCheckpointError, match="fails its checksum on arrival"):
-    peer_stream.pull(server.offer(), 3, 7, items, paths, np.zeros(nbytes, np.uint8), timeout_s=10)
+    peer_pull.pull(server.offer(), 3, 7, items, paths, np.zeros(nbytes, np.uint8), timeout_s=10)
 
 
 def test_an_offer_with_an_error_names_the_sender():
   with pytest.raises(PeerTransferError, match="process 5 cannot serve: no address"):
-    peer_stream.pull({"error": "no address"}, 5, 7, [], [], np.zeros(0, np.uint8), timeout_s=1)
+    peer_pull.pull({"error": "no address"}, 5, 7, [], [], np.zeros(0, np.uint8), timeout_s=1)
 
 
 def test_the_server_listens_on_the_given_address_only(served):
@@ -240,7 +271,7 @@ def test_a_malformed_request_is_refused_without_killing_the_server(served):
     conn.send_json({"step": 7, "shards": [[0]]})  # not [leaf, path, index]
     assert _until_closed(conn.sock) == b""  # no reply: dropped
   items, nbytes = _items(arrays)  # the server still serves a good request
-  peer_stream.pull(server.offer(), 0, 7, items, paths, np.zeros(nbytes, np.uint8), timeout_s=10)
+  peer_pull.pull(server.offer(), 0, 7, items, paths, np.zeros(nbytes, np.uint8), timeout_s=10)
 
 
 def _free_port_run(n: int) -> int:
@@ -281,7 +312,7 @@ def test_the_server_listens_within_peer_ports_and_skips_a_busy_port():
     assert server.port == low + 1
     items, nbytes = _items(arrays)
     buffer = np.zeros(nbytes, np.uint8)
-    peer_stream.pull(server.offer(), 0, 7, items, paths, buffer, timeout_s=10)
+    peer_pull.pull(server.offer(), 0, 7, items, paths, buffer, timeout_s=10)
   finally:
     server.close()
 
@@ -314,7 +345,7 @@ def test_a_gated_shard_is_sent_once_ready_and_a_failed_one_never():
 
     def pull():
       try:
-        peer_stream.pull(server.offer(), 0, 7, items, paths, buffer, timeout_s=10)
+        peer_pull.pull(server.offer(), 0, 7, items, paths, buffer, timeout_s=10)
       except Exception as e:  # noqa: BLE001
         errors.append(e)
       done.set()
@@ -335,7 +366,7 @@ def test_a_gated_shard_is_sent_once_ready_and_a_failed_one_never():
   )
   try:
     with pytest.raises((ConnectionError, OSError)):
-      peer_stream.pull(server.offer(), 0, 7, items, paths, np.zeros(nbytes, np.uint8), timeout_s=10)
+      peer_pull.pull(server.offer(), 0, 7, items, paths, np.zeros(nbytes, np.uint8), timeout_s=10)
   finally:
     server.close()
 
@@ -353,7 +384,7 @@ def test_plan_split_cuts_contiguous_runs_of_equal_bytes():
 
 def _boxes(server, request: list) -> tuple[dict, list[bytes]]:
   """A raw request of [leaf, path, index, box] items: (reply, the bytes)."""
-  with peer_stream.request(server.offer(), 0, 7, request, timeout_s=10) as (sock, records):
+  with peer_pull.request(server.offer(), 0, 7, request, timeout_s=10) as (sock, records):
     got = []
     for record in records:
       buf = np.empty(record["nbytes"], np.uint8)
@@ -412,7 +443,7 @@ def test_a_peer_that_stops_answering_raises_timeout_not_a_hang(tmp_path):
   mute = _Mute()
   try:
     with pytest.raises(TimeoutError, match="within the timeout"):
-      with peer_stream.request(mute.offer(), 0, 7, [], timeout_s=0.3):
+      with peer_pull.request(mute.offer(), 0, 7, [], timeout_s=0.3):
         pass
     with pytest.raises(TimeoutError, match="within the timeout"):
       protocol.send_file(mute.offer(), {}, str(big), 0, 64 << 20, timeout_s=0.3)

@@ -23,6 +23,7 @@ from emergency_ckpt.core import parity as xp
 from emergency_ckpt.errors import CorruptCheckpointError, PeerTransferError
 from emergency_ckpt.redundancy import xor_wire
 from emergency_ckpt.transport import handshake, listener, protocol, session
+from emergency_ckpt.transport import pull as peer_pull
 from emergency_ckpt.transport import stream as peer_stream
 from tests.harness.mitm import HANDSHAKE_IN, Relay, tamper_first_shard
 from tests.test_peer_stream import _items, _local, _until_closed
@@ -48,7 +49,7 @@ def _want(arrays) -> bytes:
 def _pull(offer, paths, arrays, timeout_s=10) -> bytes:
   items, nbytes = _items(arrays)
   buffer = np.zeros(nbytes, np.uint8)
-  peer_stream.pull(offer, 0, 7, items, paths, buffer, timeout_s=timeout_s)
+  peer_pull.pull(offer, 0, 7, items, paths, buffer, timeout_s=timeout_s)
   return buffer.tobytes()
 
 

@@ -278,10 +278,10 @@ class PeerOptions:
   """What protects the bytes of every peer stream (a restore's transfer,
   partner copies, XOR chunks) beyond the handshake, in which both ends
   always prove they hold the secret published through the coordination
-  service: "mac" (the default: an HMAC-SHA256 under a per-connection key
-  over every header and every shard, so a shard changed on the wire fails
-  even when its CRC32C was fixed too; it costs one more pass over each byte
-  in cache, measured in docs/security.md) or "crc" (headers MAC'd,
+  service: "mac" (the default: under a per-connection key, an HMAC-SHA256
+  over every header and a Poly1305 over every shard, so a shard changed on
+  the wire fails even when its CRC32C was fixed too; it costs one more pass
+  over each byte in cache, measured in docs/security.md) or "crc" (headers MAC'd,
   payloads checked by their CRC32C only: against accidents, not a man in
   the middle; for networks no one else can reach)."""
 

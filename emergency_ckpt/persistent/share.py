@@ -54,7 +54,7 @@ from emergency_ckpt.errors import (
 )
 from emergency_ckpt.local.format import LocalStep
 from emergency_ckpt.runtime.buffers import aligned_empty
-from emergency_ckpt.transport import routing, stream
+from emergency_ckpt.transport import pull, routing, stream
 
 logger = logging.getLogger("emergency_ckpt")
 
@@ -255,7 +255,7 @@ def read_shared(
       failure = failure or {"corrupt": False, "error": f"process {me}: no senders' address ({e})"}
     if failure is None and pulls:
       try:
-        stream.receive(offers, layout, paths, pulls, step=step, timeout_s=timeout_s, buffer=buffer)
+        pull.receive(offers, layout, paths, pulls, step=step, timeout_s=timeout_s, buffer=buffer)
       except (OSError, PeerTransferError) as e:  # a shard damaged on the wire too
         failure = {"corrupt": False, "error": f"process {me} ({type(e).__name__}): {e}"}
     if reading is not None:  # my own part, read while I pulled the rest

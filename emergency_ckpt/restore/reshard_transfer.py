@@ -33,7 +33,7 @@ from emergency_ckpt.errors import CollectiveTimeoutError, CorruptCheckpointError
 from emergency_ckpt.local.format import LocalStep, checksum_ok
 from emergency_ckpt.restore import reshard_rebuild
 from emergency_ckpt.runtime.buffers import aligned_empty
-from emergency_ckpt.transport import protocol, stream
+from emergency_ckpt.transport import protocol, pull, stream
 from emergency_ckpt.transport.listener import Security
 
 if TYPE_CHECKING:
@@ -370,7 +370,7 @@ def _pull(
   request = [
     [p.leaf, paths[p.leaf], [list(r) for r in p.index], [list(r) for r in p.box]] for p in items
   ]
-  with stream.request(offer, sender, step, request, timeout_s=timeout_s) as (sock, records):
+  with pull.request(offer, sender, step, request, timeout_s=timeout_s) as (sock, records):
     for p, record in zip(items, records):
       dtype = layout.leaves[p.leaf].dtype
       shape = shards_lib.shard_shape(p.box)

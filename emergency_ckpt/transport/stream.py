@@ -12,7 +12,9 @@ local tier's file, and the restored arrays alias it on CPU (one copy on each
 side, in the kernel).
 
 Checksums: the receiver checks every shard against the CRC32C of the
-sender's manifest as it arrives (pull); a part of a shard cut for a
+sender's manifest as it arrives (pull.py, summed piece by piece while the
+next piece moves; several connections per sender on hosts with the cores
+to run them); a part of a shard cut for a
 reshard is checksummed by the Server as it is sent, after the whole shard
 was checked against its record.
 
@@ -42,8 +44,8 @@ until every receiver has its shards, or one failed.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -51,10 +53,10 @@ import numpy as np
 
 from emergency_ckpt.core import failpoints
 from emergency_ckpt.core import shards as shards_lib
-from emergency_ckpt.errors import CollectiveTimeoutError, CorruptCheckpointError, PeerTransferError
+from emergency_ckpt.errors import CollectiveTimeoutError, PeerTransferError
 from emergency_ckpt.local.format import LocalStep, checksum_ok, shard_checksum
-from emergency_ckpt.runtime.buffers import aligned_empty
 from emergency_ckpt.transport import protocol
+from emergency_ckpt.transport.pull import receive
 from emergency_ckpt.transport.routing import plan_pulls
 
 logger = logging.getLogger("emergency_ckpt")
@@ -174,132 +176,6 @@ class Server(protocol.Listener):
     return {"shards": records}, views, gates
 
 
-@contextlib.contextmanager
-def request(offer: dict, sender: int, step: int, shards: list, *, timeout_s: float):
-  """A connection to a Server that asked it for some shards of a step.
-
-  Args:
-    offer: the sender's offer (Listener.offer), or {"error": why not}.
-    sender: its process index (for messages).
-    step: the step.
-    shards: [leaf number, path, index], or [..., box] for a part of one.
-    timeout_s: the socket timeout.
-
-  Yields:
-    (session, one record per shard: nbytes and checksum); the shards
-    follow in that order, each one payload (protocol.recv_into checks its
-    MAC; the caller checks its size and checksum).
-
-  Raises:
-    PeerTransferError: no offer, or the sender refused.
-    OSError: the connection failed.
-  """
-  if "error" in offer:
-    raise PeerTransferError(f"process {sender} cannot serve: {offer['error']}")
-  with protocol.connect(offer, timeout_s=timeout_s, step=step) as sock:
-    sock.send_json({"step": step, "shards": shards})
-    reply = sock.recv_json(protocol.MAX_DOCUMENT)
-    if not isinstance(reply, dict):
-      raise PeerTransferError(f"process {sender} answered {type(reply).__name__}, not a reply")
-    if "error" in reply:
-      raise PeerTransferError(f"process {sender} refused: {reply['error']}")
-    records = reply.get("shards", [])
-    if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
-      raise PeerTransferError(f"process {sender} answered malformed records")
-    if len(records) != len(shards):
-      raise PeerTransferError(f"process {sender} answered {len(records)} of {len(shards)} shards")
-    yield sock, records
-
-
-def pull(
-  offer: dict,
-  sender: int,
-  step: int,
-  items: Sequence[tuple[int, shards_lib.ShardSlot]],
-  paths: Sequence[str],
-  buffer: np.ndarray,
-  *,
-  timeout_s: float,
-) -> None:
-  """Receives shards of `step` from one sender into their slots of `buffer`,
-  each verified against the sender's checksum as it arrives.
-
-  Args:
-    offer: the sender's offer.
-    sender: its process index.
-    step: the step.
-    items: (leaf number, slot) of each shard.
-    paths: the keystr paths of the leaves.
-    buffer: the receiver's buffer (uint8), laid out as the slots say.
-    timeout_s: the socket timeout.
-
-  Raises:
-    PeerTransferError: no offer, or the sender refused.
-    CorruptCheckpointError: a shard's size, MAC or checksum is wrong.
-    OSError: the connection failed.
-  """
-  shards = [[leaf_no, paths[leaf_no], [list(r) for r in slot.index]] for leaf_no, slot in items]
-  with request(offer, sender, step, shards, timeout_s=timeout_s) as (sock, records):
-    for (leaf_no, slot), record in zip(items, records):
-      where = f"leaf {paths[leaf_no]} shard {slot.index} of step {step} from process {sender}"
-      if record.get("nbytes") != slot.nbytes:
-        raise CorruptCheckpointError(
-          f"{where}: {record.get('nbytes')} bytes, expected {slot.nbytes}"
-        )
-      view = buffer[slot.offset : slot.offset + slot.nbytes]
-      protocol.recv_into(sock, view)
-      if not checksum_ok(view, record):
-        raise CorruptCheckpointError(f"{where} fails its checksum on arrival")
-
-
-def receive(
-  offers: dict[int, dict | None],
-  layout: shards_lib.Layout,
-  paths: Sequence[str],
-  pulls: dict[int, list],
-  *,
-  step: int,
-  timeout_s: float,
-  buffer: np.ndarray | None = None,
-) -> np.ndarray:
-  """This receiver's shards of `step`, pulled from every sender at once.
-
-  Args:
-    offers: {sender: its offer}.
-    layout: the receiver's buffer layout.
-    paths: the keystr paths of the leaves.
-    pulls: {sender: [(leaf number, slot)]} (routing.plan_pulls).
-    step: the step.
-    timeout_s: the socket timeout.
-    buffer: a buffer that already holds the other slots (None: a new
-      page-aligned one).
-
-  Returns:
-    The buffer, every pulled slot filled and verified.
-
-  Raises:
-    PeerTransferError, CorruptCheckpointError, OSError: the first failure
-    (pull).
-  """
-  if buffer is None:
-    buffer = aligned_empty(layout.nbytes)
-  if not pulls:
-    return buffer
-  pool = concurrent.futures.ThreadPoolExecutor(len(pulls), "ec-peer-recv")
-  try:
-    futures = []
-    for sender, items in pulls.items():
-      offer = offers.get(sender) or {"error": "it published no address (not an intact slice?)"}
-      futures.append(
-        pool.submit(pull, offer, sender, step, items, paths, buffer, timeout_s=timeout_s)
-      )
-    for f in concurrent.futures.as_completed(futures):
-      f.result()  # the first failure ends the transfer
-  finally:
-    pool.shutdown(wait=False, cancel_futures=True)  # never wait on a failed transfer's stragglers
-  return buffer
-
-
 def transfer(
   step: int,
   abstract: Sequence[Any],
@@ -379,8 +255,21 @@ def transfer(
       offers, error = {}, f"process {me}: no address from its senders ({e})"
     if topology.slice_index in lost and error is None:
       try:
+        t0 = time.perf_counter()
         buffer = receive(offers, layout, paths, pulls, step=step, timeout_s=timeout_s)
+        t1 = time.perf_counter()
         arrays = shards_lib.assemble_buffer(abstract, layout, buffer)
+        logger.info(
+          "%s peer transfer of step %d: received %.1f MiB in %.3f s (%.2f GB/s) from"
+          " processes %s, placed in %.3f s",
+          topology.log_prefix(),
+          step,
+          layout.nbytes / 2**20,
+          t1 - t0,
+          layout.nbytes / max(t1 - t0, 1e-9) / 1e9,
+          sorted(pulls),
+          time.perf_counter() - t1,
+        )
       except (OSError, PeerTransferError) as e:  # CorruptCheckpointError is an OSError
         error = f"process {me} ({type(e).__name__}): {e}"
         logger.warning("%s peer transfer of step %d failed: %s", topology.log_prefix(), step, e)
