@@ -58,6 +58,7 @@ class ShardSums:
   """Lets the snapshot's buffer go (a hold() taken in save())."""
   paths: list[str]
   abstract: list[Any]
+  """Each leaf's shape, dtype and global sharding (pipeline.LeafSpec)."""
   resolved: dict | None = None
   """The CRC32Cs once resolve() took them from the local write's manifest."""
 

@@ -27,7 +27,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 
@@ -52,6 +52,16 @@ if TYPE_CHECKING:
   from emergency_ckpt.save.tiers import LocalWriter, RedundancyLink
 
 logger = logging.getLogger("emergency_ckpt")
+
+
+class LeafSpec(NamedTuple):
+  """A leaf's shape, dtype and sharding, taken in save() (a few attribute
+  reads; a jax.ShapeDtypeStruct per leaf costs several microseconds more,
+  so the upload thread makes those)."""
+
+  shape: tuple[int, ...]
+  dtype: Any
+  sharding: Any
 
 
 def _once(fn: Callable[[], None]) -> Callable[[], None]:
@@ -266,10 +276,10 @@ class SavePipeline:
         snapshot = self._staging.stage(step, paths, leaves, reserved)
         logger.debug("%s step %d staged in %.3fs", topo.log_prefix(), step, snapshot.stall_s)
       release = snapshot.hold() if snapshot_upload else None  # before the write frees it
-      abstract, sums = None, None
-      if persistent:
-        abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in leaves]
-        sums = ShardSums(snapshot, snapshot.hold(), paths, abstract)
+      specs, sums = None, None
+      if persistent:  # the leaves' shapes and shardings; made abstract on the upload thread
+        specs = [LeafSpec(x.shape, x.dtype, x.sharding) for x in leaves]
+        sums = ShardSums(snapshot, snapshot.hold(), paths, specs)
       nbytes = 0
       on_persistent = decision.persistent and (ticket is None or ticket.go is not False)
       if decision.local:
@@ -310,6 +320,7 @@ class SavePipeline:
         def snapshot_tree() -> Any:  # on the upload thread
           snapshot.wait_filled()
           snapshot.wait_others_staged()
+          abstract = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=s.sharding) for s in specs]
           arrays = snapshot.arrays(abstract, self._upload_memory_kind)
           return jax.tree_util.tree_unflatten(treedef, arrays)
 
