@@ -9,7 +9,9 @@ importing jax and Orbax, and on a 2-core machine four of them would time the
 cores' contention more than the checkpointer), one jax.distributed job
 started with emergency_ckpt.demo.launcher
 (benchmarks/goodput_job.py: a state of --mib MiB per slice, a fixed step
-time of --step-s, a sleep plus a jitted add; save(step) called every step,
+time of --step-s, a jitted add, an all-reduce over every device (the
+processes step in lockstep, as a data-parallel job's do) and a sleep;
+save(step) called every step,
 the manager's intervals deciding; the persistent tier on a local disk
 folder every --persistent-interval steps). Failures come at random: a
 Poisson process of mean --mtbf-s seconds, seeded, so every configuration

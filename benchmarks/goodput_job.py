@@ -9,8 +9,10 @@ args['local_interval'], an integer or "auto", persistent interval
 args['persistent_interval'], event log args['event_log']) or Orbax's
 multislice emergency manager through emergency_ckpt.bench.adapters at the
 same intervals. It restores the newest step if there is one, then trains
-until it is killed: each step adds 1 to every element (a jitted op) and
-sleeps to args['step_s'] from its start, then calls save(step) (the
+until it is killed: each step adds 1 to every element (a jitted op),
+joins an all-reduce over every device (multihost_utils.sync_global_devices:
+the processes step in lockstep, as a data-parallel job's do) and sleeps to
+args['step_s'] from its start, then calls save(step) (the
 manager decides by its intervals whether it saves).
 
 Every process appends its timeline to args['timeline'] ("{process}" in the
@@ -43,6 +45,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from emergency_ckpt.bench import adapters
@@ -198,6 +201,9 @@ def train(args: dict) -> None:
     step += 1
     t_step = time.time()
     state = jax.block_until_ready(add(state))
+    # an all-reduce over every device, as a data-parallel step's gradient
+    # sum: the processes train in lockstep, as a real job's do
+    multihost_utils.sync_global_devices("goodput step")
     time.sleep(max(0.0, step_s - (time.time() - t_step)))
     t_end = time.time()
     line.record("step", step=step, t0=t_step, t1=t_end)
