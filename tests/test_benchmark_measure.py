@@ -157,3 +157,13 @@ def test_socket_transfer_between_processes_delivers_every_byte(tmp_path, slices,
       if proc.is_alive():
         proc.kill()
   assert all(proc.exitcode == 0 for proc in senders)
+
+
+def test_bench_peer_integrity_flag():
+  """`--peer-integrity` picks emergency_ckpt's peer.integrity (default mac)."""
+  from emergency_ckpt.bench import run  # noqa: PLC0415
+
+  assert run.parse_args([]).peer_integrity == "mac"
+  assert run.parse_args(["--peer-integrity", "crc"]).peer_integrity == "crc"
+  with pytest.raises(SystemExit):
+    run.parse_args(["--peer-integrity", "none"])

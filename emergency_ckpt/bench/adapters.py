@@ -102,15 +102,22 @@ class Ours(Adapter):
   }
 
   def __init__(
-    self, layout: Layout, local_dir: str, persistent_dir: str, host_id: str | None = None
+    self,
+    layout: Layout,
+    local_dir: str,
+    persistent_dir: str,
+    host_id: str | None = None,
+    peer_integrity: str = "mac",
   ):
     """`host_id`: the simulated host (elastic.py runs several per machine);
-    None keeps the library's default (the machine's boot id)."""
+    None keeps the library's default (the machine's boot id).
+    `peer_integrity`: peer.integrity (the library's default "mac")."""
     import emergency_ckpt as ec  # noqa: PLC0415
 
     options = ec.CheckpointManagerOptions(
       local=ec.LocalTierOptions(directory=local_dir),
       persistent=ec.PersistentTierOptions(directory=persistent_dir),
+      peer=ec.PeerOptions(integrity=peer_integrity),
       host_id=host_id,
     )
     self._layout = layout

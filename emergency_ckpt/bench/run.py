@@ -192,6 +192,12 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--persistent-root", default="/tmp", help="where persistent dirs go (local disk)")
   p.add_argument("--job-timeout", type=float, default=None, help="seconds per job (default scaled)")
   p.add_argument("--keep", action="store_true", help="keep the ramdisk and persistent dirs")
+  p.add_argument(
+    "--peer-integrity",
+    choices=("mac", "crc"),
+    default="mac",
+    help="emergency_ckpt's peer.integrity (default mac, the library's default)",
+  )
   args = p.parse_args(argv)
   args.mib_per_replica = args.mib_per_replica or (QUICK_MIB if args.quick else DEFAULT_MIB)
   args.reps = args.reps or (QUICK_REPS if args.quick else DEFAULT_REPS)
@@ -229,7 +235,13 @@ def main(argv=None, on_job=None) -> int:
   shm_root = tempfile.mkdtemp(prefix="ecbench-", dir=args.shm_root)
   disk_root = tempfile.mkdtemp(prefix="ecbench-", dir=args.persistent_root)
   runner = Runner(args, shm_root, disk_root, on_job)
-  base = {"mib": mib, "reps": reps, "shm_root": shm_root, "disk_root": disk_root}
+  base = {
+    "mib": mib,
+    "reps": reps,
+    "shm_root": shm_root,
+    "disk_root": disk_root,
+    "peer_integrity": args.peer_integrity,
+  }
   scale = mib * reps
   # --quick: a hang is cut short so that a retried job still fits the smoke
   # test's budget; the full size scales with the bytes saved.
@@ -287,6 +299,7 @@ def main(argv=None, on_job=None) -> int:
       "mib_per_replica": mib,
       "reps": reps,
       "quick": args.quick,
+      "peer_integrity": args.peer_integrity,
       "processes": PROCESSES,
       "devices_per_process": DEVICES_PER_PROCESS,
       "layouts": {k: {"slices": s, "devices_per_slice": d} for k, (s, d) in LAYOUTS.items()},

@@ -263,6 +263,15 @@ def _pristine(host: str, backup: str) -> None:
   shutil.copytree(backup, host, symlinks=True)
 
 
+def _make(args: dict, layout: st.Layout, host: str, persistent: str) -> adapters.Adapter:
+  """The job's manager (args["manager"]); ours with args' peer integrity."""
+  name = args["manager"]
+  extra = {}
+  if name == adapters.OURS and args.get("peer_integrity"):
+    extra["peer_integrity"] = args["peer_integrity"]
+  return adapters.make(name, layout, host, persistent, **extra)
+
+
 def _timed_restore(
   args: dict,
   layout: st.Layout,
@@ -298,7 +307,7 @@ def _timed_restore(
   had_local = _has_files(host)
   barrier(f"restore-{variant}-ready")
   t0 = m.now()
-  adapter = adapters.make(name, layout, host, persistent)
+  adapter = _make(args, layout, host, persistent)
   t1 = m.now()
   restored, step, source = adapter.restore()
   jax.block_until_ready(restored)
@@ -353,7 +362,7 @@ def _main_4x1(args: dict) -> dict:
   name, reps = args["manager"], args["reps"]
   layout, host, backup, persistent, state, rec = _setup(args, "4x1")
   progress(f"{name} 4x1: save, then {reps} restores after losing slice {layout.num_slices - 1}")
-  adapter = adapters.make(name, layout, host, persistent)
+  adapter = _make(args, layout, host, persistent)
   rec["save"] = _timed_save(adapter, step_of(0), state, m.rss_bytes())
   adapter.close()
   lost = (layout.num_slices - 1,)
@@ -378,7 +387,7 @@ def _main_2x2(args: dict) -> dict:
   name, reps = args["manager"], args["reps"]
   layout, host, backup, persistent, state, rec = _setup(args, "2x2")
   progress(f"{name} 2x2: 1 warm-up + {reps} timed saves")
-  adapter = adapters.make(name, layout, host, persistent)
+  adapter = _make(args, layout, host, persistent)
   rec["notes"] = dict(adapter.notes)
   rec["threads"] = m.bound_threads()  # of the paired N-thread memcpy
   if hasattr(adapter, "bound"):
@@ -443,7 +452,7 @@ def manager_restart(args: dict) -> dict:
   host, _, persistent = _paths(args, name, layout.name)
   progress(f"{name}: restart job restoring")
   t1 = time.perf_counter()
-  adapter = adapters.make(name, layout, host, persistent)
+  adapter = _make(args, layout, host, persistent)
   t2 = time.perf_counter()
   restored, step, source = adapter.restore()
   jax.block_until_ready(restored)
