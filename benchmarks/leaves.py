@@ -108,6 +108,7 @@ def _cold() -> None:
   from emergency_ckpt.local import format as local_format  # noqa: PLC0415
 
   getattr(shards, "_PATHS", {}).clear()
+  getattr(shards, "_LAST", {}).clear()
   shards._layout_cached.cache_clear()  # noqa: SLF001
   getattr(local_format, "_CHECKED", {}).clear()
 

@@ -118,7 +118,7 @@ def test_a_changed_manifest_is_checked_again(shm_dir):
   assert first == second and first is not second  # each caller its own body
   first["leaves"].clear()
   assert local_format.decode_manifest(raw, "m")["leaves"]
-  torn = raw.replace(b'"nbytes": 16', b'"nbytes": 17', 1)
+  torn = raw.replace(b'"nbytes":16', b'"nbytes":17', 1)
   assert torn != raw
   with pytest.raises(CorruptCheckpointError):
     local_format.decode_manifest(torn, "m")

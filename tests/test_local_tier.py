@@ -335,7 +335,7 @@ def test_usable_steps_rejects_other_job_topology(tier, state, topo, shm_dir):
   "damage,reason",
   [
     (lambda raw: raw[:-10], "unreadable manifest"),
-    (lambda raw: raw.replace(b'"nbytes": ', b'"nbytes": 1'), "checksum mismatch"),
+    (lambda raw: raw.replace(b'"nbytes":', b'"nbytes":1'), "checksum mismatch"),
     (lambda raw: b"", "unreadable manifest"),
   ],
   ids=["torn", "edited", "empty"],

@@ -4,7 +4,8 @@ A `Layout` is computed once per (tree paths, shapes, dtypes, shardings) and
 cached: saves of the same train state reuse it and its host buffers; a
 tree's keystr paths are cached per tree structure (`leaf_paths`), so a
 save of thousands of leaves flattens and looks up, and a restore places
-every leaf in one batched device_put (`assemble_many`). A
+thousands of leaves in two batched calls (`assemble_many`: direct_put.py
+for replicated leaves, one jax.device_put for the rest). A
 leaf's NamedSharding is recorded as JSON (`spec_of`) where `block_index`
 reproduces the shard each device holds, so that another mesh can reshard a
 local copy (core/reshard.py). `assemble` builds global arrays back from
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -26,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from emergency_ckpt.core import direct_put, gc_pause
 from emergency_ckpt.errors import StateMismatchError, TopologyError
 
 ALIGN = 64
@@ -212,6 +215,11 @@ def leaf_paths(tree) -> tuple[list[str], list[Any], Any]:
   Returns:
     (keystr paths, leaves, treedef).
   """
+  with gc_pause.paused():  # thousands of leaves: no collector passes between them
+    return _leaf_paths(tree)
+
+
+def _leaf_paths(tree) -> tuple[list[str], list[Any], Any]:
   leaves, treedef = jax.tree_util.tree_flatten(tree)
   try:
     with _PATHS_LOCK:
@@ -237,24 +245,40 @@ def _layout_cached(key) -> Layout:
   leaves, whole = [], []
   offset = state_nbytes = 0
   on_cpu = True
-  placed: dict[tuple, tuple] = {}  # (sharding, shape): (by_index, spec), once per distinct pair
+  # Once per distinct (sharding, shape, dtype), not per leaf: the slots'
+  # indices, sizes and devices, the spec check, the leaf's global bytes.
+  plans: dict[tuple, tuple] = {}
+  placed: dict[tuple, tuple] = {}  # (sharding, shape): (by_index, spec)
   for path, shape, dtype, sharding in key:
-    state_nbytes += int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    known = placed.get((sharding, shape))
-    if known is None:
-      by_index: dict[Index, list[Any]] = {}
-      for device, idx in sharding.addressable_devices_indices_map(shape).items():
-        by_index.setdefault(normalize_index(idx, shape), []).append(device)
-      known = placed[(sharding, shape)] = (by_index, _checked_spec(sharding, shape, by_index))
-    by_index, spec = known
-    slots = []
-    for index in sorted(by_index):
-      nbytes = int(np.prod(shard_shape(index), dtype=np.int64)) * dtype.itemsize
-      slots.append(ShardSlot(index, offset, nbytes, tuple(by_index[index])))
+    plan = plans.get((sharding, shape, dtype))
+    if plan is None:
+      known = placed.get((sharding, shape))
+      if known is None:
+        by_index: dict[Index, list[Any]] = {}
+        for device, idx in sharding.addressable_devices_indices_map(shape).items():
+          by_index.setdefault(normalize_index(idx, shape), []).append(device)
+        known = placed[(sharding, shape)] = (by_index, _checked_spec(sharding, shape, by_index))
+      by_index, spec = known
+      slots = tuple(
+        (index, math.prod(shard_shape(index)) * dtype.itemsize, tuple(by_index[index]))
+        for index in sorted(by_index)
+      )
+      plan = plans[(sharding, shape, dtype)] = (
+        slots,
+        spec,
+        math.prod(shape) * dtype.itemsize,
+        all(d.platform == "cpu" for _, _, devices in slots for d in devices),
+        len(slots) == 1 and shard_shape(slots[0][0]) == tuple(shape),
+      )
+    slots, spec, leaf_nbytes, leaf_on_cpu, leaf_whole = plan
+    placed_slots = []
+    for index, nbytes, devices in slots:
+      placed_slots.append(ShardSlot(index, offset, nbytes, devices))
       offset += -(-nbytes // ALIGN) * ALIGN
-      on_cpu = on_cpu and all(d.platform == "cpu" for d in by_index[index])
-    leaves.append(LeafLayout(path, tuple(shape), dtype, tuple(slots), spec))
-    whole.append(len(slots) == 1 and shard_shape(slots[0].index) == tuple(shape))
+    state_nbytes += leaf_nbytes
+    on_cpu = on_cpu and leaf_on_cpu
+    leaves.append(LeafLayout(path, tuple(shape), dtype, tuple(placed_slots), spec))
+    whole.append(leaf_whole)
   return Layout(tuple(leaves), offset, state_nbytes, on_cpu, tuple(whole))
 
 
@@ -282,6 +306,11 @@ def _checked_spec(sharding, shape, by_index: dict[Index, list[Any]]) -> list | N
 def layout_for(paths: Sequence[str], leaves: Sequence[Any]) -> Layout:
   """The Layout of this process's unique addressable shards (cached).
 
+  The last layout of each tree (its paths) is kept with its leaves'
+  shapes, dtypes and shardings: a save of the same state compares three
+  lists (shardings by identity first) instead of building and hashing a
+  key of every leaf.
+
   Args:
     paths: the leaves' paths.
     leaves: jax.Arrays or abstract leaves with shardings.
@@ -292,6 +321,20 @@ def layout_for(paths: Sequence[str], leaves: Sequence[Any]) -> Layout:
   Raises:
     StateMismatchError: a leaf without a sharding or a shape.
   """
+  try:
+    seen = (
+      [x.sharding for x in leaves],
+      [x.shape for x in leaves],
+      [x.dtype for x in leaves],
+    )
+    tree = tuple(paths)
+  except AttributeError:
+    seen = tree = None
+  if tree is not None:
+    with _LAST_LOCK:
+      last = _LAST.get(tree)
+    if last is not None and last[0] == seen:  # lists: equal objects by identity first
+      return last[1]
   key = []
   for path, leaf in zip(paths, leaves):
     sharding = getattr(leaf, "sharding", None)
@@ -302,7 +345,20 @@ def layout_for(paths: Sequence[str], leaves: Sequence[Any]) -> Layout:
         " with a sharding). Wrap scalars with jnp.asarray and device_put them."
       )
     key.append((path, tuple(leaf.shape), _np_dtype(leaf.dtype), sharding))  # compared by value
-  return _layout_cached(tuple(key))
+  with gc_pause.paused():
+    out = _layout_cached(tuple(key))
+  if tree is not None:
+    with _LAST_LOCK:
+      _LAST[tree] = (seen, out)
+      while len(_LAST) > _LAST_KEEP:
+        del _LAST[next(iter(_LAST))]
+  return out
+
+
+# layout_for's last layout per tree: {paths: ((shardings, shapes, dtypes), Layout)}.
+_LAST: dict[tuple[str, ...], tuple[tuple, Layout]] = {}
+_LAST_KEEP = 16
+_LAST_LOCK = threading.Lock()
 
 
 @functools.lru_cache(maxsize=64)
@@ -359,27 +415,37 @@ def assemble_many(
   abstract: Sequence[Any],
   arrays_by_index: Sequence[dict[Index, np.ndarray]],
   memory_kind: str | None = None,
+  *,
+  copy_small: bool = True,
 ) -> list[jax.Array]:
   """`assemble` of many leaves, batched: each sharding's placement is
-  computed once, and every piece goes in one jax.device_put (a state of
-  thousands of small leaves otherwise pays the device_put overhead per
-  leaf). Small replicated leaves of a sharding this process addresses
-  whole (every device holds the whole array, <= SMALL_LEAF bytes; never
-  across processes: device_put would then compare the value between
-  processes) are placed as global arrays directly (a copy); the rest as
-  assemble does (on CPU, aligned pieces aliased).
+  computed once, and the pieces of the leaves not placed whole go in one
+  jax.device_put (a state of thousands of small leaves otherwise pays the
+  device_put overhead per leaf). Replicated leaves of a sharding this process addresses whole
+  (every device holds the whole array; never across processes:
+  device_put would then compare the value between processes) are placed
+  as global arrays directly (_put_whole: a copy up to SMALL_LEAF bytes);
+  the rest as assemble does (on CPU, aligned pieces aliased).
 
   Args:
     abstract: the leaves' abstract values (shape, sharding).
     arrays_by_index: per leaf, {shard index: host array} for this process's shards.
     memory_kind: the devices' memory to place them in (None: default).
+    copy_small: False: small replicated leaves alias their host bytes on
+      CPU too (the caller keeps them unchanged for the arrays' lifetime:
+      the local tier's private mapping of a step, which it never recycles
+      while mapped).
 
   Returns:
     One array per leaf.
   """
+  with gc_pause.paused():  # thousands of arrays: no collector passes between them
+    return _assemble_many(abstract, arrays_by_index, memory_kind, copy_small)
+
+
+def _assemble_many(abstract, arrays_by_index, memory_kind, copy_small) -> list[jax.Array]:
   placements: dict[Any, tuple] = {}
-  direct: list[int] = []
-  direct_pieces, direct_targets = [], []
+  whole_leaves: list[tuple[int, np.ndarray, Any, tuple]] = []
   split: list[tuple[int, Any, tuple, int, int]] = []
   pieces: list[np.ndarray] = []
   targets: list[Any] = []
@@ -390,19 +456,18 @@ def assemble_many(
     if p is None:
       p = placements[key] = _placement(a.sharding, shape, memory_kind)
     sharding, devices, indices, targets_of, whole = p
-    first = by_index[indices[0]] if whole else None
-    if first is not None and first.nbytes <= SMALL_LEAF:
-      direct.append(i)
-      direct_pieces.append(np.array(first))  # its own bytes: jax may alias what it is given
-      direct_targets.append(sharding)
+    if whole:
+      whole_leaves.append((i, by_index[indices[0]], sharding, shape))
       continue
     split.append((i, sharding, shape, len(pieces), len(devices)))
     pieces.extend(by_index[idx] for idx in indices)
     targets.extend(targets_of)
   out: list[Any] = [None] * len(arrays_by_index)
-  if direct:
-    for i, x in zip(direct, jax.device_put(direct_pieces, direct_targets, may_alias=True)):
-      out[i] = x
+  for i, x in zip(
+    [w[0] for w in whole_leaves],
+    direct_put.put_whole(whole_leaves, SMALL_LEAF if copy_small else -1),
+  ):
+    out[i] = x
   if split:
     placed = jax.device_put(pieces, targets, may_alias=True)
     for i, sharding, shape, start, n in split:
@@ -411,10 +476,9 @@ def assemble_many(
 
 
 SMALL_LEAF = 1 << 20
-"""Replicated leaves up to this size are restored as a copy (made here:
-with some jax versions a batched device_put aliases even when told not
-to) in one batched device_put; bigger ones alias their host bytes on CPU
-(no copy at all)."""
+"""Replicated leaves up to this size are restored as a copy (made here or
+by force_copy: with some jax versions a device_put aliases even when told
+not to); bigger ones alias their host bytes on CPU (no copy at all)."""
 
 
 def _placement(sharding, shape: tuple[int, ...], memory_kind: str | None) -> tuple:

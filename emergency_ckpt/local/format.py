@@ -18,6 +18,7 @@ import dataclasses
 import json
 import mmap
 import os
+import re
 import threading
 import time
 import zlib
@@ -51,6 +52,10 @@ def shard_checksum(data) -> dict:
   return {"crc32c": crc32c.crc32c(data)}
 
 
+crc32c_of = crc32c.crc32c
+"""The CRC32C of bytes (any buffer): what a shard record's "crc32c" holds."""
+
+
 def checksum_ok(data, record: dict) -> bool:
   """Whether bytes match a shard record's checksum.
 
@@ -76,13 +81,31 @@ def _canonical(body: dict) -> bytes:
 def encode_manifest(body: dict) -> bytes:
   """The manifest file's bytes for a body, with the CRC32 of its canonical form.
 
+  The body is written in its canonical form, so a reader checks the CRC32
+  over the file's own bytes (decode_manifest) instead of encoding the body
+  again; the document is the same JSON as before (older readers read it).
+
   Args:
     body: the manifest body (manifest_body).
 
   Returns:
     The file's bytes.
   """
-  return json.dumps({"body": body, "crc32": zlib.crc32(_canonical(body))}).encode()
+  canonical = _canonical(body)
+  return b'%s%s, "crc32": %d}' % (_HEAD, canonical, zlib.crc32(canonical))
+
+
+_HEAD = b'{"body": '
+_TAIL = re.compile(rb', "crc32": (\d{1,10})\}\Z')
+
+
+def _raw_crc_ok(raw: bytes) -> bool:
+  """Whether `raw` is encode_manifest's layout and its body's bytes match
+  the recorded CRC32 (then they are the canonical form the CRC32 was taken
+  of: no need to encode the decoded body again). False: not known, the
+  caller checks the decoded body."""
+  tail = _TAIL.search(raw, len(raw) - 24) if raw.startswith(_HEAD) else None
+  return tail is not None and zlib.crc32(raw[len(_HEAD) : tail.start()]) == int(tail[1])
 
 
 def decode_manifest(raw: bytes, where: str) -> dict:
@@ -106,7 +129,8 @@ def decode_manifest(raw: bytes, where: str) -> dict:
   try:
     doc = json.loads(raw)
     body = doc["body"]
-    ok = zlib.crc32(_canonical(body)) == doc["crc32"]
+    crc = doc["crc32"]
+    ok = _raw_crc_ok(raw) or zlib.crc32(_canonical(body)) == crc
   except (ValueError, KeyError, TypeError, RecursionError) as e:
     raise CorruptCheckpointError(f"{where}: unreadable manifest ({e})") from None
   if not ok:
@@ -188,25 +212,25 @@ def manifest_body(
   from emergency_ckpt.core import shards as shards_lib  # noqa: PLC0415
 
   leaves = []
-  for leaf, leaf_crcs in zip(layout.leaves, crcs):
+  for leaf, leaf_crcs in zip(layout.leaves, crcs):  # keys in canonical (sorted) order
     leaves.append(
       {
+        "dtype": shards_lib.dtype_name(leaf.dtype),
         "path": leaf.path,
         "shape": list(leaf.shape),
-        "dtype": shards_lib.dtype_name(leaf.dtype),
-        **({} if leaf.spec is None else {"spec": leaf.spec}),
         "shards": [
           {
-            "index": [list(r) for r in slot.index],
-            "offset": slot.offset,
-            "nbytes": slot.nbytes,
             "crc32c": crc,
+            "index": [list(r) for r in slot.index],
+            "nbytes": slot.nbytes,
+            "offset": slot.offset,
           }
           for slot, crc in zip(leaf.slots, leaf_crcs)
         ],
+        **({} if leaf.spec is None else {"spec": leaf.spec}),
       }
     )
-  return {
+  body = {
     "format": FORMAT,
     "step": step,
     **identity,
@@ -214,6 +238,7 @@ def manifest_body(
     "saved_at": time.time(),
     "leaves": leaves,
   }
+  return {k: body[k] for k in sorted(body)}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -132,8 +132,12 @@ def _verified_shards(
     where,
   )
   out = []
-  for leaf in layout.leaves:
-    records = saved[leaf.path]["shards"]
+  crc = local_format.crc32c_of
+  raw = memoryview(buf)  # its slices cost less than an array's
+  # check_state passed: the saved leaves are the layout's, in its order.
+  whole = layout.whole or (False,) * len(layout.leaves)
+  for rec, leaf, is_whole in zip(saved.values(), layout.leaves, whole):
+    records = rec["shards"]
     if len(records) == 1:  # most leaves: one shard (no index table to build)
       s = records[0]
       by_index = {tuple(map(tuple, s["index"])): s}
@@ -147,11 +151,15 @@ def _verified_shards(
           f"{where}: leaf {leaf.path} has no shard {slot.index}; it was"
           " saved with another sharding. Restore it from the persistent tier."
         )
-      data = buf[s["offset"] : s["offset"] + s["nbytes"]]
-      if not local_format.checksum_ok(data, s):
+      offset, nbytes = s["offset"], s["nbytes"]
+      data = raw[offset : offset + nbytes]
+      want = s.get("crc32c")
+      if (crc(data) != want) if want is not None else not local_format.checksum_ok(data, s):
         raise CorruptCheckpointError(
           f"{where}/{local_format.SHARDS}: leaf {leaf.path} shard {slot.index} fails its checksum"
         )
-      arrays[slot.index] = data.view(leaf.dtype).reshape(shards_lib.shard_shape(slot.index))
+      # One array over the bytes (not a slice, a view and a reshape).
+      shape = leaf.shape if is_whole else shards_lib.shard_shape(slot.index)
+      arrays[slot.index] = np.ndarray(shape, leaf.dtype, buf, offset)
     out.append(arrays)
   return out

@@ -33,7 +33,7 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from emergency_ckpt.cluster.topology import Topology
-from emergency_ckpt.core import failpoints, layout
+from emergency_ckpt.core import failpoints, gc_pause, layout
 from emergency_ckpt.errors import CorruptCheckpointError
 from emergency_ckpt.local import blocks, discovery, folders
 from emergency_ckpt.local import format as local_format
@@ -163,7 +163,8 @@ class LocalTier:
       (readable steps, {step: why not} for this process's own steps that
       it cannot read).
     """
-    return self._host.scan()
+    with gc_pause.paused():  # a manifest of many leaves per step
+      return self._host.scan()
 
   def parity(self) -> dict[int, dict[int, Parity]]:
     """Returns {step: {saved process: Parity}}: the XOR parity blocks
@@ -295,9 +296,10 @@ class LocalTier:
       raise CorruptCheckpointError(
         f"{where} is not a step folder the local tier wrote (a symlink, or not a folder)"
       )
-    return local_read.read_step(
-      where, abstract=list(abstract), paths=list(paths), on_map=self._spares.note_mapped
-    )
+    with gc_pause.paused():
+      return local_read.read_step(
+        where, abstract=list(abstract), paths=list(paths), on_map=self._spares.note_mapped
+      )
 
   def read_copy(self, where: str, *, verify: bool = True) -> LocalStep:
     """Every shard of the copy in `where`; its file is never recycled

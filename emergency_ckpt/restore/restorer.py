@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from emergency_ckpt import transport as peer
+from emergency_ckpt.core import gc_pause
 from emergency_ckpt.errors import (
   CorruptCheckpointError,
   DataStateError,
@@ -177,7 +178,8 @@ class Restorer:
     tried: list[str] = []
     damaged = False  # a persistent step was found damaged
     for cand in cands:
-      loaded = self._sources.load(cand, target)
+      with gc_pause.paused():  # a local read of many leaves: no collector passes in it
+        loaded = self._sources.load(cand, target)
       got = self._ctx.collectives.gather_sparse(
         f"restore_status_{cand.step}", None if loaded.status.is_ok else loaded.status.to_json()
       )

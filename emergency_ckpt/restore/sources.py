@@ -339,7 +339,9 @@ class Sources:
       )
       return target.tree(arrays), mine
     if mine == restore_plan.LOCAL:
-      return target.tree(shards_lib.assemble_many(target.abstract, local.arrays)), mine
+      # Its own private mapping, kept from recycling while mapped: every leaf aliases it.
+      arrays = shards_lib.assemble_many(target.abstract, local.arrays, copy_small=False)
+      return target.tree(arrays), mine
     expected = self._state.expected_crcs(plan.step, loaded.saved_count or topo.process_count)
     if read_shared:  # every slice reads the persistent tier: split it
       arrays = persistent_share.read_shared(

@@ -16,6 +16,7 @@ or on its filler; no collective.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 from typing import Any
@@ -24,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from emergency_ckpt.core import gc_pause
 from emergency_ckpt.core import shards as shards_lib
 
 
@@ -184,15 +186,39 @@ def cpu_hosts(arrays: Sequence[jax.Array], layout: shards_lib.Layout) -> list[li
 def fill_from_cpu(
   arrays: Sequence[jax.Array], layout: shards_lib.Layout, buffer: np.ndarray
 ) -> None:
-  """Copies this process's unique shards of CPU arrays into `buffer`
-  (cpu_hosts, then copy_into: a memcpy per slot). Blocks on the copies.
+  """Copies this process's unique shards of CPU arrays into `buffer`: a
+  replicated leaf's bytes straight from the array (its buffer, as the
+  buffer protocol gives it once the array is ready: no host array object),
+  the rest as cpu_hosts then copy_into (a memcpy per slot). Blocks on the
+  copies.
 
   Args:
     arrays: the state's leaves (global jax.Arrays on CPU devices).
     layout: shards.layout_for of the same leaves (on_cpu).
     buffer: the staging buffer (layout.nbytes, flat uint8).
   """
-  copy_into(cpu_hosts(arrays, layout), layout, buffer)
+  out = memoryview(buffer)
+  rest: list[int] = []
+  with gc_pause.paused():  # an object or two per leaf: no collector passes in the stall
+    for i, (arr, leaf, whole) in enumerate(zip(arrays, layout.leaves, layout.whole)):
+      if whole:
+        slot = leaf.slots[0]
+        try:  # one device's buffer (else BufferError), as bytes (else TypeError)
+          src = memoryview(arr)
+          if src.c_contiguous and src.nbytes == slot.nbytes:
+            if slot.nbytes:
+              out[slot.offset : slot.offset + slot.nbytes] = src.cast("B")
+            continue
+        except (BufferError, TypeError, ValueError):
+          pass
+      rest.append(i)
+    if rest:
+      sub = dataclasses.replace(
+        layout,
+        leaves=tuple(layout.leaves[i] for i in rest),
+        whole=tuple(layout.whole[i] for i in rest),
+      )
+      copy_into(cpu_hosts([arrays[i] for i in rest], sub), sub, buffer)
 
 
 def fill(shards: list[list[jax.Array]], layout: shards_lib.Layout, buffer: np.ndarray) -> None:

@@ -1,0 +1,162 @@
+"""Every check still bites on a many-leaf checkpoint (issue 35 item 4): the
+batched restore (one pass over the manifest, arrays over the mapped file,
+the direct placement of replicated leaves) must never hand out a byte that
+fails its shard's CRC32C, and the manifest's faster CRC32 path must still
+refuse an altered file and still read the older layout."""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import emergency_ckpt as ec
+from emergency_ckpt.core import direct_put
+from emergency_ckpt.core import shards as shards_lib
+from emergency_ckpt.errors import CorruptCheckpointError
+from emergency_ckpt.local import format as local_format
+from emergency_ckpt.local import read as local_read
+
+N = 300
+
+
+def _tree(mesh, value: float) -> dict:
+  rep = NamedSharding(mesh, P())
+  host = [np.full((7 + i % 5,), value + i, np.float32) for i in range(N)]
+  out = {f"l{i:04d}": a for i, a in enumerate(jax.device_put(host, [rep] * N))}
+  out["big"] = jax.device_put(jnp.arange(4096.0) + value, NamedSharding(mesh, P("data")))
+  return out
+
+
+def _abstract(tree):
+  return jax.tree_util.tree_map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree
+  )
+
+
+def _saved(options, mesh, steps=(2,)):
+  tree = _tree(mesh, 1.0)
+  with ec.CheckpointManager(options, mesh=mesh) as mngr:
+    for step in steps:
+      mngr.save(step, tree)
+    mngr.wait_until_finished()
+  local = options.local.directory
+  dirs = {}
+  for root, _, files in os.walk(local):
+    if local_format.MANIFEST in files and os.path.basename(root).startswith("step_"):
+      dirs[int(os.path.basename(root)[len("step_") :])] = root
+  return tree, dirs
+
+
+def _flip(where: str, offset: int) -> None:
+  path = os.path.join(where, local_format.SHARDS)
+  with open(path, "r+b") as f:
+    f.seek(offset)
+    b = f.read(1)
+    f.seek(offset)
+    f.write(bytes([b[0] ^ 0x10]))
+
+
+@pytest.mark.parametrize("which", ["first", "middle", "last byte of a leaf", "last"])
+def test_a_flipped_byte_in_any_leaf_fails_the_read(options, mesh, which):
+  tree, dirs = _saved(options, mesh)
+  where = dirs[2]
+  body = local_format.read_manifest(where)
+  leaves = body["leaves"]
+  pick = {"first": 0, "middle": N // 2, "last byte of a leaf": 137, "last": len(leaves) - 1}[which]
+  shard = leaves[pick]["shards"][-1]
+  at = shard["offset"] + (shard["nbytes"] - 1 if which == "last byte of a leaf" else 0)
+  paths, abstract, _ = shards_lib.leaf_paths(_abstract(tree))
+  local_read.read_step(where, abstract=abstract, paths=paths)  # intact: reads
+  _flip(where, at)
+  with pytest.raises(CorruptCheckpointError, match=r"fails its checksum") as e:
+    local_read.read_step(where, abstract=abstract, paths=paths)
+  assert leaves[pick]["path"] in str(e.value)
+  _, problems = local_format.verify_step_dir(where)
+  assert len(problems) == 1 and leaves[pick]["path"] in problems[0]
+
+
+def test_a_corrupted_local_step_is_never_returned(options, mesh):
+  """The manager skips the damaged local copy (the persistent tier holds
+  step 4): the restored leaves are the saved bytes, not the flipped one."""
+  tree, dirs = _saved(options, mesh, steps=(2, 4))
+  where = dirs[4]
+  body = local_format.read_manifest(where)
+  shard = body["leaves"][N // 3]["shards"][0]
+  _flip(where, shard["offset"] + 1)
+  with ec.CheckpointManager(options, mesh=mesh) as mngr:
+    got = mngr.restore(_abstract(tree))
+  assert got.step == 4 and got.source != "local", (got.step, got.source)
+  for k, v in tree.items():
+    np.testing.assert_array_equal(np.asarray(got.state[k]), np.asarray(v), err_msg=k)
+
+
+def test_restored_leaves_equal_the_saved_ones_and_small_ones_are_copies(options, mesh):
+  tree, dirs = _saved(options, mesh)
+  paths, abstract, _ = shards_lib.leaf_paths(_abstract(tree))
+  step = local_read.read_step(dirs[2], abstract=abstract, paths=paths)
+  got = shards_lib.assemble_many(abstract, step.arrays)
+  for path, a, want, by_index in zip(paths, got, shards_lib.leaf_paths(tree)[1], step.arrays):
+    assert (a.shape, a.dtype, a.sharding) == (want.shape, want.dtype, want.sharding), path
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(want), err_msg=path)
+    if path != "['big']":  # a small replicated leaf: its own bytes, not the file's
+      next(iter(by_index.values()))[...] = -1
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(want), err_msg=path)
+
+
+def test_the_direct_placement_matches_jax_device_put(mesh, monkeypatch):
+  rep = NamedSharding(mesh, P())
+  host = [np.arange(i + 1, dtype=np.float32) for i in range(50)] * 3
+  host += [np.ones((2, 3), np.int32), np.zeros((), np.float32)] * 4
+  abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep) for x in host]
+  by_index = [{tuple((0, d) for d in x.shape): x} for x in host]
+  fast = shards_lib.assemble_many(abstract, by_index)
+  monkeypatch.setattr(direct_put, "_BATCHED_PUT", None)
+  public = shards_lib.assemble_many(abstract, by_index)
+  for x, a, b in zip(host, fast, public):
+    assert (a.shape, a.dtype, a.sharding, a.committed) == (b.shape, b.dtype, b.sharding, True)
+    assert jax.typeof(a) == jax.typeof(b)
+    np.testing.assert_array_equal(np.asarray(a), x)
+    np.testing.assert_array_equal(np.asarray(a + 1), np.asarray(b + 1))  # usable by jit
+
+
+def _body(n=3):
+  return {
+    "format": local_format.FORMAT,
+    "step": 5,
+    "nbytes": 64 * n,
+    "leaves": [
+      {
+        "path": f"['l{i}']",
+        "shape": [4],
+        "dtype": "float32",
+        "shards": [{"index": [[0, 4]], "offset": 64 * i, "nbytes": 16, "crc32c": 7}],
+      }
+      for i in range(n)
+    ],
+  }
+
+
+def test_manifest_layouts_old_and_new_read_and_any_flip_is_refused():
+  body = _body()
+  new = local_format.encode_manifest(body)
+  canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+  old = json.dumps({"body": body, "crc32": zlib.crc32(canonical)}).encode()  # before 2026-11-28
+  assert json.loads(new) == json.loads(old)  # the same document
+  assert local_format.decode_manifest(new, "m") == body
+  assert local_format.decode_manifest(old, "m") == body
+  for raw in (new, old):
+    for i in range(len(raw)):  # every byte of both layouts, one flip at a time
+      torn = raw[:i] + bytes([raw[i] ^ 0x01]) + raw[i + 1 :]
+      try:
+        got = local_format.decode_manifest(torn, "m")
+      except CorruptCheckpointError:
+        continue
+      assert got == body, (i, torn[max(0, i - 20) : i + 20])  # only a no-op flip may pass
