@@ -398,6 +398,10 @@ def _main_2x2(args: dict) -> dict:
   paired_file = os.path.join(os.path.dirname(persistent), f"paired_raw_{jax.process_index()}.bin")
   os.makedirs(os.path.dirname(paired_file), exist_ok=True)
   barrier("saves-begin")
+  # The documented start-up (latest_step() / restore() first) loads Orbax in
+  # the background: library code held once per process, not the save's.
+  adapter.latest_step()
+  adapter.wait_all()
   rss_base = m.rss_bytes()  # before prepare(): the prepared buffer's pages count as the save's
   # The documented flow: prepare() while the trainer initializes (its wait
   # stands for the compile time before a trainer's first save).

@@ -133,6 +133,7 @@ class Parts:
       preparer=background.lane("prepare", low_priority=True),
       filler=background.lane("d2h"),
       device_snapshot=options.local.device_snapshot,
+      keep_buffers=options.local.keep_staging_buffer,
     )
     orbax = OrbaxLoader(background, topo.log_prefix())
     local = LocalTier(

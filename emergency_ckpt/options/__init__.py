@@ -92,6 +92,16 @@ class LocalTierOptions:
   it, and host memory holds one extra copy; 2 lets them overlap, for one
   more buffer and spare. An integer >= 1."""
 
+  keep_staging_buffer: bool = True
+  """Keep the host staging buffer (one copy of this process's shards)
+  allocated and faulted in between saves. Default True: save()'s stall is
+  a plain copy into memory already there. False: its pages go back to the
+  system once the step's last reader (local write, persistent upload) is
+  done, so between saves the process holds no copy; each save then faults
+  fresh pages in inside its stall (a slower save(); see the configuration
+  reference, "Host memory"), and prepare() does nothing. The peak during a
+  save is one copy either way. True or false."""
+
   device_snapshot: bool = False
   """On accelerators: save() copies this process's shards on the device
   (an asynchronous device-to-device copy, dispatched without waiting) and

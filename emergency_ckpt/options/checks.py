@@ -207,6 +207,10 @@ def check_local(o: Any) -> None:
   optional_positive_int(o.keep_best, "local.keep_best")
   positive_int(o.staging_buffers, "local.staging_buffers")
   require(
+    isinstance(o.keep_staging_buffer, bool),
+    f"local.keep_staging_buffer must be true or false, got {o.keep_staging_buffer!r}.",
+  )
+  require(
     isinstance(o.device_snapshot, bool),
     f"local.device_snapshot must be true or false, got {o.device_snapshot!r}.",
   )

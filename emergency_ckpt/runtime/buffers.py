@@ -8,7 +8,11 @@ page fault per page inside the save's stall. `BufferPool` keeps them: at
 most `count` local writes hold one at a time, and a buffer another reader
 still uses (a background persistent upload) is reused only once that
 reader lets go too. `preallocate` faults the next save's buffer in ahead
-of time (on staging.py's low-priority lane).
+of time (on staging.py's low-priority lane). A pool made with keep=False
+(local.keep_staging_buffer) keeps nothing: once a buffer's last user lets
+go, its pages go back to the system at once (madvise, even where a stale
+reference, such as Orbax's record of its last save, keeps the allocation
+itself alive), and each save faults a fresh one in.
 
 Called by: the staging area (staging.py), and for aligned_empty /
 aligned_zeros the restore paths and the XOR redundancy, on any thread.
@@ -16,7 +20,10 @@ aligned_zeros the restore paths and the XOR redundancy, on any thread.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import mmap
+import sys
 import threading
 
 import numpy as np
@@ -63,20 +70,57 @@ def _fault_in(buf: np.ndarray) -> None:
     buf[-1] = 0
 
 
+def _libc_madvise() -> ctypes._CFuncPtr | None:
+  if not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_DONTNEED"):
+    return None
+  try:
+    fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).madvise
+  except (OSError, AttributeError):
+    return None
+  fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+  fn.restype = ctypes.c_int
+  return fn
+
+
+_MADVISE = _libc_madvise()
+
+
+def drop_pages(buf: np.ndarray) -> bool:
+  """Gives `buf`'s whole pages back to the system now (MADV_DONTNEED), so
+  they leave the resident set even while something still references the
+  array; a later read sees zeros, a write faults in fresh pages. Only for a
+  buffer that nobody reads any more. Called by: BufferPool, as a buffer of a
+  pool that keeps none is let go (any thread).
+
+  Args:
+    buf: a page-aligned buffer (aligned_empty / aligned_zeros).
+
+  Returns:
+    Whether the pages were dropped (False: not Linux, or madvise refused).
+  """
+  length = buf.nbytes // _PAGE * _PAGE
+  if _MADVISE is None or length == 0 or buf.ctypes.data % _PAGE:
+    return False
+  return _MADVISE(buf.ctypes.data, length, mmap.MADV_DONTNEED) == 0
+
+
 class BufferPool:
   """Reused host staging buffers. At most `count` local writes hold one at a
   time (acquire blocks while all are writing); a buffer that something else
   still reads (a background persistent upload, see hold) goes back to the
   free list only when that reader lets go too."""
 
-  def __init__(self, count: int):
+  def __init__(self, count: int, *, keep: bool = True):
     """An empty pool.
 
     Args:
       count: how many local writes may hold a buffer at once.
+      keep: keep buffers for reuse once their users let go (False: drop
+        them, and preallocate() does nothing).
     """
     self._sem = threading.Semaphore(count)
     self._count = count
+    self.keep = keep
     self._lock = threading.Lock()
     self._ready = threading.Condition(self._lock)  # a preallocated buffer landed
     self._preparing: set[int] = set()  # sizes preallocate() is faulting in now
@@ -119,9 +163,13 @@ class BufferPool:
     """Makes sure a free, faulted-in buffer of `nbytes` exists (so the next
     acquire's copy takes no page fault). Blocks on allocating and touching it.
 
+    Nothing where the pool keeps no buffers.
+
     Args:
       nbytes: the layout's size.
     """
+    if not self.keep:
+      return
     with self._lock:
       if nbytes in self._preparing or any(b.nbytes == nbytes for b in self._free):
         return
@@ -163,12 +211,20 @@ class BufferPool:
         self._holders[id(buf)] = left
         return
       del self._holders[id(buf)]
-      if id(buf) not in self._writing:
-        self._put_back(buf)
+      if id(buf) in self._writing:
+        return
+      self._put_back(buf)
+    self._let_go(buf)
 
   def _put_back(self, buf: np.ndarray) -> None:
-    if len(self._free) <= self._count:
+    if self.keep and len(self._free) <= self._count:
       self._free.append(buf)
+
+  def _let_go(self, buf: np.ndarray) -> None:
+    """The last user let go of `buf`: in a pool that keeps no buffers, its
+    pages go back now (outside the lock: it takes a while)."""
+    if not self.keep:
+      drop_pages(buf)
 
   def release(self, buf: np.ndarray) -> None:
     """The local write of `buf` is done (frees a write slot at once).
@@ -178,11 +234,19 @@ class BufferPool:
     """
     with self._lock:
       self._writing.discard(id(buf))
-      if id(buf) not in self._holders:
+      last = id(buf) not in self._holders
+      if last:
         self._put_back(buf)
+    if last:
+      self._let_go(buf)
     self._sem.release()
 
   def clear(self) -> None:
     """Drops the free buffers."""
     with self._lock:
       self._free.clear()
+
+  def free_count(self) -> int:
+    """How many buffers the pool keeps for reuse now (none held by a user)."""
+    with self._lock:
+      return len(self._free)

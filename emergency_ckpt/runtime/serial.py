@@ -82,6 +82,10 @@ class SerialExecutor(concurrent.futures.Executor):
         fut.set_exception(e)
       else:
         fut.set_result(result)
+        del result
+      # Not kept alive until the next task arrives: a task's closure may hold
+      # a staging buffer (local.keep_staging_buffer=False lets it go here).
+      del item, fut, fn, args, kwargs
 
   def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
     """Stops taking tasks; the queued ones still run unless `cancel_futures`.

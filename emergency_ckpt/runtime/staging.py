@@ -7,7 +7,9 @@ local.device_snapshot a device-side copy only); the local tier
 then writes the buffer to the ramdisk and, on CPU, the persistent upload
 reads arrays that alias it. The buffers are reused and kept faulted in
 between saves (buffers.py); `prepare()` allocates the next save's buffer in
-the background, at the lowest CPU priority. The copies themselves are
+the background, at the lowest CPU priority. With local.keep_staging_buffer
+off, a buffer is let go once the step's last reader is done, and each
+save copies into fresh memory. The copies themselves are
 device_copy.py's.
 
 Co-located processes of one job (several per machine) share its cores: each
@@ -128,6 +130,7 @@ class StagingArea:
     preparer: Lane,
     filler: concurrent.futures.Executor | None = None,
     device_snapshot: bool = False,
+    keep_buffers: bool = True,
   ):
     """Opens the area (its buffer pool and its side of the staging window).
 
@@ -139,8 +142,11 @@ class StagingArea:
         may run after save() returns (None: save() makes every copy itself).
       device_snapshot: save() copies on the device (see
         LocalTierOptions.device_snapshot); needs a filler.
+      keep_buffers: keep the staging buffers, faulted in, between saves
+        (LocalTierOptions.keep_staging_buffer); False: each is let go
+        once its last reader is done, and prepare() does nothing.
     """
-    self._pool = BufferPool(buffers)
+    self._pool = BufferPool(buffers, keep=keep_buffers)
     self._window = StagingWindow(job)
     self._preparer = preparer
     self._filler = filler
@@ -238,13 +244,16 @@ class StagingArea:
 
   def prepare(self, paths: Sequence[str], abstract: Sequence[Any]) -> None:
     """Starts allocating and faulting in, in the background, the buffer a
-    save of this layout copies into. Blocks on nothing.
+    save of this layout copies into (nothing where buffers are not kept:
+    it would hold the memory until the next save). Blocks on nothing.
 
     Args:
       paths, abstract: the state's leaf paths and (abstract) leaves.
     """
+    if self._closed or not self._pool.keep:
+      return
     nbytes = shards_lib.layout_for(paths, abstract).nbytes
-    if self._closed or nbytes == 0:
+    if nbytes == 0:
       return
     self._preparer.submit(self._pool.preallocate, nbytes)
 
