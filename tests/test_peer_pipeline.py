@@ -141,3 +141,19 @@ def test_running_checksum_without_a_checksum_is_never_ok():
   running = RunningChecksum({"nbytes": 3})
   running.update(b"abc")
   assert not running.ok()
+
+
+def test_pieces_are_whole_when_the_socket_returns_little_per_call(monkeypatch):
+  """A TLS socket returns one record (16 KiB) per call: the receiver still
+  hands whole pieces to its helper thread, not one job per record."""
+  real = session_lib.recv_some
+  monkeypatch.setattr(session_lib, "recv_some", lambda sock, view: real(sock, view[: 16 << 10]))
+  data = np.frombuffer(os.urandom((3 << 20) + 5), np.uint8)
+  sender, receiver = _pair("mac")
+  t, errors = _send_async(sender, data)
+  out = np.empty_like(data)
+  sizes = []
+  receiver.recv_payload(out, lambda p: sizes.append(len(p)))
+  t.join(10)
+  assert not errors and np.array_equal(out, data)
+  assert sizes == [1 << 20] * 3 + [5]

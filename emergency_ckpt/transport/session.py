@@ -295,9 +295,10 @@ class Session:
     rx = self.payload_in(len(view))
     with _Overlap() as overlap:
       while rx.pos < len(view):
-        start = rx.pos
-        n = rx.recv_raw(view[start : start + _RECV_PIECE])
-        overlap.then(rx.digest, view[start : start + n], check)
+        start, end = rx.pos, min(len(view), rx.pos + _RECV_PIECE)
+        while rx.pos < end:  # a whole piece (TLS returns one record per call)
+          rx.recv_raw(view[rx.pos : end])
+        overlap.then(rx.digest, view[start:end], check)
     rx.finish()
 
   # ---- the MACs ---------------------------------------------------------------------
