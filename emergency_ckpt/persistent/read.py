@@ -15,6 +15,9 @@ Nothing here writes: the persistent tier stays in Orbax's standard format.
 Every region is read as the saved shards that cover it and checked against
 their recorded CRC32C (checksums.py): in place when the region is a saved
 shard (an unchanged sharding), else whole into a scratch array, then cut.
+Each shard is checked as soon as tensorstore has read it, while the others
+are still being read, and local files are read through a memory map
+(checked_reads.py).
 
 Called by: every process that restores from persistent (no collective);
 blocks until its shards are read.
@@ -34,7 +37,7 @@ from emergency_ckpt.core import compat
 from emergency_ckpt.core import shards as shards_lib
 from emergency_ckpt.errors import CorruptCheckpointError, StateMismatchError
 from emergency_ckpt.local import schema
-from emergency_ckpt.persistent import checksums
+from emergency_ckpt.persistent import checked_reads
 from emergency_ckpt.runtime.buffers import aligned_empty
 from emergency_ckpt.state.shard_records import Expected, overlap
 
@@ -91,6 +94,7 @@ def read_into(
   *,
   buffer: np.ndarray | None = None,
   on_ready: Callable[[int, shards_lib.Index], None] | None = None,
+  metadata: dict | None = None,
 ) -> tuple[shards_lib.Layout, np.ndarray]:
   """read()'s read and checks, into one host buffer instead of arrays.
 
@@ -104,6 +108,7 @@ def read_into(
     buffer: write there (layout.nbytes) instead of into a new buffer.
     on_ready: called with (leaf number, index) as each slot is read and
       checked, before the others.
+    metadata: the step's _METADATA if already read (_read_metadata).
 
   Returns:
     (this process's layout, the page-aligned buffer laid out so).
@@ -123,13 +128,13 @@ def read_into(
       f"abstract_state has {len(abstract)} leaves but {len(names)} Orbax names;"
       " every leaf must be a jax.ShapeDtypeStruct with a sharding."
     )
-  meta = _read_metadata(item_dir)
+  meta = _read_metadata(item_dir) if metadata is None else metadata
   use_ocdbt = meta.get("use_ocdbt")
   if use_ocdbt is None:
     use_ocdbt = ocp.type_handlers.is_ocdbt_checkpoint(item_dir)
   use_zarr3 = bool(meta.get("use_zarr3", False))
   missing_is_error = bool(meta.get("store_array_data_equal_to_fill_value", True))
-  context = ocp.type_handlers.get_ts_context(use_ocdbt=use_ocdbt)
+  context = checked_reads.read_context(ocp, use_ocdbt)
 
   def spec(name: str) -> dict:
     info = ocp.type_handlers.ParamInfo(
@@ -157,37 +162,38 @@ def read_into(
     for leaf in layout.leaves
   ]
   opened = [ts.open(spec(name), read=True, context=context) for name in names]
-  reads = []  # (name, path, saved shard, destination, future, (leaf no, index) if in place)
   copies = []  # (saved-shard array, its index, destination view, (leaf no, the view's index))
-  for leaf_no, (name, path, future, leaf, by_index) in enumerate(
-    zip(names, paths, opened, layout.leaves, views)
-  ):
-    store = _wait(future.result, name, item_dir)
-    compat.check_leaf(name, store.shape, store.dtype.numpy_dtype, leaf.shape, leaf.dtype, item_dir)
-    pieces: dict[shards_lib.Index, np.ndarray] = {}
-    for slot in leaf.slots:
-      if not slot.nbytes or (select is not None and not select(leaf_no, slot)):
-        continue
-      saved = expected.saved(path, slot.index)
-      if len(saved) == 1 and saved[0].index == slot.index:  # read in place, checked there
-        target = by_index[slot.index]
-        future = _read(ts, store, slot.index, target)
-        reads.append((name, path, saved[0], target, future, (leaf_no, slot.index)))
-        continue
-      for shard in saved:  # another sharding: whole saved shards, checked, then cut
-        if shard.index not in pieces:
-          piece = np.empty(shards_lib.shard_shape(shard.index), leaf.dtype)
-          pieces[shard.index] = piece
-          reads.append((name, path, shard, piece, _read(ts, store, shard.index, piece), None))
-        copies.append(
-          (pieces[shard.index], shard.index, by_index[slot.index], (leaf_no, slot.index))
-        )
-  expected.prefetch(r[2] for r in reads)  # while tensorstore reads
-  for name, path, shard, target, read_done, key in reads:
-    _wait(read_done.result, name, item_dir)
-    checksums.check_shard(expected, path, shard, target)
-    if key is not None and on_ready is not None:
-      on_ready(*key)
+  with checked_reads.CheckedReads(expected, lambda name, e: _damaged(name, item_dir, e)) as reads:
+    started = []  # the saved shards read, for expected.prefetch
+    for leaf_no, (name, path, future, leaf, by_index) in enumerate(
+      zip(names, paths, opened, layout.leaves, views)
+    ):
+      store = _wait(future.result, name, item_dir)
+      compat.check_leaf(
+        name, store.shape, store.dtype.numpy_dtype, leaf.shape, leaf.dtype, item_dir
+      )
+      pieces: dict[shards_lib.Index, np.ndarray] = {}
+      for slot in leaf.slots:
+        if not slot.nbytes or (select is not None and not select(leaf_no, slot)):
+          continue
+        saved = expected.saved(path, slot.index)
+        if len(saved) == 1 and saved[0].index == slot.index:  # read in place, checked there
+          target = by_index[slot.index]
+          read_done = _read(ts, store, slot.index, target)
+          reads.add(name, path, saved[0], target, read_done, (leaf_no, slot.index))
+          started.append(saved[0])
+          continue
+        for shard in saved:  # another sharding: whole saved shards, checked, then cut
+          if shard.index not in pieces:
+            piece = np.empty(shards_lib.shard_shape(shard.index), leaf.dtype)
+            pieces[shard.index] = piece
+            reads.add(name, path, shard, piece, _read(ts, store, shard.index, piece), None)
+            started.append(shard)
+          copies.append(
+            (pieces[shard.index], shard.index, by_index[slot.index], (leaf_no, slot.index))
+          )
+    expected.prefetch(started)  # while tensorstore reads
+    reads.wait(None if on_ready is None else lambda key: on_ready(*key))
   for piece, piece_index, target, (_, target_index) in copies:
     box = overlap(piece_index, target_index)
     target[_within(box, target_index)] = piece[_within(box, piece_index)]
@@ -212,6 +218,31 @@ def _check_matches(metadata: Any, abstract_tree: Any, where: Any) -> None:
   compat.check_state(recorded, paths, abstract, where, ordered=False)
 
 
+def _saved_paths(meta: dict) -> set[str] | None:
+  """The keystr paths of the leaves the step's _METADATA lists (its
+  tree_metadata), or None where a key is neither a dict key nor a sequence
+  index (the caller then asks Orbax)."""
+  out = set()
+  tree = meta.get("tree_metadata")
+  if not isinstance(tree, dict):
+    return None
+  for entry in tree.values():
+    keys = entry.get("key_metadata") if isinstance(entry, dict) else None
+    if not isinstance(keys, list) or not keys:
+      return None
+    parts = []
+    for k in keys:
+      kind, key = (k.get("key_type"), k.get("key")) if isinstance(k, dict) else (None, None)
+      if kind == 2 and isinstance(key, str):
+        parts.append(f"[{key!r}]")
+      elif kind == 1 and isinstance(key, (str, int)) and str(key).isdigit():
+        parts.append(f"[{key}]")
+      else:
+        return None
+    out.add("".join(parts))
+  return out
+
+
 def read_step(
   item_dir: epath.Path,
   step: int,
@@ -226,7 +257,11 @@ def read_step(
   """read_into() after checking abstract_tree against the step's record and metadata.
 
   What was saved comes from the step's own checksummed record: a mismatch
-  there is the caller's; one with Orbax's metadata after it is damage.
+  there is the caller's; one with Orbax's metadata after it is damage. The
+  saved tree is read from the step's _METADATA, and each leaf's shape and
+  dtype from its array as read_into opens it (Orbax's own metadata read,
+  which opens every array a second time, only where the trees differ, to
+  name the difference).
 
   Args:
     item_dir: the step's Orbax item.
@@ -254,11 +289,20 @@ def read_step(
     item_dir,
     ordered=False,
   )
+  meta = _read_metadata(item_dir)
   try:
-    with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ckptr:
-      _check_matches(ckptr.metadata(item_dir), abstract_tree, item_dir)
+    if _saved_paths(meta) != set(paths):  # else read_into checks each leaf's shape, dtype
+      with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ckptr:
+        _check_matches(ckptr.metadata(item_dir), abstract_tree, item_dir)
     return read_into(
-      item_dir, abstract_tree, ocp, expected, select, buffer=buffer, on_ready=on_ready
+      item_dir,
+      abstract_tree,
+      ocp,
+      expected,
+      select,
+      buffer=buffer,
+      on_ready=on_ready,
+      metadata=meta,
     )
   except StateMismatchError as e:
     what = str(e).split(" Pass the abstract_state")[0]
@@ -279,11 +323,17 @@ def _within(box: shards_lib.Index, origin: shards_lib.Index) -> tuple[slice, ...
   return tuple(slice(lo - o, hi - o) for (lo, hi), (o, _) in zip(box, origin))
 
 
+def _damaged(name: str, item_dir: epath.Path, e: ValueError) -> CorruptCheckpointError:
+  """tensorstore's error (NOT_FOUND, DATA_LOSS, ...) reading leaf `name`, as
+  the CorruptCheckpointError a reader raises."""
+  return CorruptCheckpointError(
+    f"cannot read leaf {name} of {item_dir}: {e}. The persistent step is damaged;"
+    " restore another step (all_steps() lists them)."
+  )
+
+
 def _wait(result: Callable[[], Any], name: str, item_dir: epath.Path) -> Any:
   try:
     return result()
   except ValueError as e:  # tensorstore's errors (NOT_FOUND, DATA_LOSS, ...)
-    raise CorruptCheckpointError(
-      f"cannot read leaf {name} of {item_dir}: {e}. The persistent step is damaged;"
-      " restore another step (all_steps() lists them)."
-    ) from e
+    raise _damaged(name, item_dir, e) from e

@@ -16,7 +16,7 @@ from etils import epath
 
 from emergency_ckpt.core import layout
 from emergency_ckpt.errors import CorruptCheckpointError
-from emergency_ckpt.persistent import checksums
+from emergency_ckpt.persistent import checked_reads, checksums
 from emergency_ckpt.persistent import layout as persistent_layout
 
 METADATA = "_METADATA"
@@ -72,6 +72,10 @@ def verify_step(root: epath.PathLike, step: int) -> list[str]:
   except (OSError, ValueError) as e:
     return [f"{item / METADATA} is unreadable ({e})"]
   names = _names(meta)
+  try:  # local files read through a memory map, as a restore reads them
+    context = ts.Context(ts.Context.Spec(checked_reads.FILE_IO_MODE))
+  except ValueError:  # an older tensorstore: no file_io_mode resource
+    context = ts.Context()
   problems = []
   for path in expected.arrays:
     name = names.get(path)
@@ -79,7 +83,7 @@ def verify_step(root: epath.PathLike, step: int) -> list[str]:
       problems.append(f"leaf {path} is recorded but absent from {item / METADATA}")
       continue
     try:
-      array = ts.open(_spec(item, name, meta), read=True).result()
+      array = ts.open(_spec(item, name, meta), read=True, context=context).result()
       for shard in expected.shards(path):
         box = tuple(slice(lo, hi) for lo, hi in shard.index)
         checksums.check_shard(expected, path, shard, array[box].read().result())
