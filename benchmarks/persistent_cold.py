@@ -41,7 +41,10 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from emergency_ckpt.bench import measure  # noqa: E402
-from emergency_ckpt.core import shards  # noqa: E402
+from emergency_ckpt.core import (
+  placement,
+  shards,  # noqa: E402
+)
 from emergency_ckpt.persistent import checksums  # noqa: E402
 from emergency_ckpt.persistent import read as persistent_read  # noqa: E402
 from emergency_ckpt.persistent.orbax_loader import orbax  # noqa: E402
@@ -117,7 +120,7 @@ def main() -> None:
 
   def restore(module) -> None:
     layout, buffer = module.read_step(item, 0, abstract, ocp, expected())
-    jax.block_until_ready(shards.assemble_buffer(list(leaves), layout, buffer))
+    jax.block_until_ready(placement.assemble_buffer(list(leaves), layout, buffer))
 
   for module in variants.values():
     restore(module)  # warm: imports, first-use set-up

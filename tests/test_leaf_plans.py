@@ -15,6 +15,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from emergency_ckpt.core import placement
 from emergency_ckpt.core import shards as shards_lib
 from emergency_ckpt.errors import CorruptCheckpointError
 from emergency_ckpt.local import format as local_format
@@ -62,7 +63,7 @@ def test_layout_follows_a_changed_shape_dtype_or_sharding(mesh):
 
 
 def _tree(mesh):
-  big = shards_lib.SMALL_LEAF // 4 + 16  # past the batched-copy size: aliased on CPU
+  big = placement.SMALL_LEAF // 4 + 16  # past the batched-copy size: aliased on CPU
   return [
     _put(mesh, jnp.arange(12, dtype=jnp.float32).reshape(3, 4)),
     _put(mesh, jnp.asarray(7, jnp.int32)),  # 0-d
@@ -87,7 +88,7 @@ def test_cpu_fill_writes_the_bytes_of_the_per_shard_fill(mesh):
     for x, slot in zip(per_leaf, leaf.slots):
       np.copyto(shards_lib.view(slow, leaf, slot), x, casting="no")
   np.testing.assert_array_equal(fast, slow)
-  for x, got in zip(leaves, shards_lib.assemble_buffer(leaves, layout, fast)):
+  for x, got in zip(leaves, placement.assemble_buffer(leaves, layout, fast)):
     assert got.sharding == x.sharding and got.dtype == x.dtype
     np.testing.assert_array_equal(np.asarray(got), np.asarray(x))
 
@@ -101,8 +102,8 @@ def test_assemble_many_matches_assemble(mesh):
   by_index = [
     {s.index: shards_lib.view(buf, leaf, s) for s in leaf.slots} for leaf in layout.leaves
   ]
-  many = shards_lib.assemble_many(leaves, by_index)
-  one = [shards_lib.assemble(a, d) for a, d in zip(leaves, by_index)]
+  many = placement.assemble_many(leaves, by_index)
+  one = [placement.assemble(a, d) for a, d in zip(leaves, by_index)]
   for a, b in zip(many, one):
     assert (a.shape, a.dtype, a.sharding) == (b.shape, b.dtype, b.sharding)
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

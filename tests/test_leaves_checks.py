@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import emergency_ckpt as ec
-from emergency_ckpt.core import direct_put
+from emergency_ckpt.core import direct_put, placement
 from emergency_ckpt.core import shards as shards_lib
 from emergency_ckpt.errors import CorruptCheckpointError
 from emergency_ckpt.local import format as local_format
@@ -102,7 +102,7 @@ def test_restored_leaves_equal_the_saved_ones_and_small_ones_are_copies(options,
   tree, dirs = _saved(options, mesh)
   paths, abstract, _ = shards_lib.leaf_paths(_abstract(tree))
   step = local_read.read_step(dirs[2], abstract=abstract, paths=paths)
-  got = shards_lib.assemble_many(abstract, step.arrays)
+  got = placement.assemble_many(abstract, step.arrays)
   for path, a, want, by_index in zip(paths, got, shards_lib.leaf_paths(tree)[1], step.arrays):
     assert (a.shape, a.dtype, a.sharding) == (want.shape, want.dtype, want.sharding), path
     np.testing.assert_array_equal(np.asarray(a), np.asarray(want), err_msg=path)
@@ -117,9 +117,9 @@ def test_the_direct_placement_matches_jax_device_put(mesh, monkeypatch):
   host += [np.ones((2, 3), np.int32), np.zeros((), np.float32)] * 4
   abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep) for x in host]
   by_index = [{tuple((0, d) for d in x.shape): x} for x in host]
-  fast = shards_lib.assemble_many(abstract, by_index)
+  fast = placement.assemble_many(abstract, by_index)
   monkeypatch.setattr(direct_put, "_BATCHED_PUT", None)
-  public = shards_lib.assemble_many(abstract, by_index)
+  public = placement.assemble_many(abstract, by_index)
   for x, a, b in zip(host, fast, public):
     assert (a.shape, a.dtype, a.sharding, a.committed) == (b.shape, b.dtype, b.sharding, True)
     assert jax.typeof(a) == jax.typeof(b)

@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from orbax.checkpoint._src.futures import synchronization  # noqa: E402
 
 from emergency_ckpt.cluster.topology import topology_from_mesh  # noqa: E402
+from emergency_ckpt.core import placement  # noqa: E402
 from emergency_ckpt.core import shards as shards_lib  # noqa: E402
 from emergency_ckpt.demo.launcher import run_job  # noqa: E402
 from emergency_ckpt.errors import CorruptCheckpointError  # noqa: E402
@@ -130,7 +131,7 @@ def tier(shm_dir, topo):
 
 def assemble(abstract_tree, local: local_format.LocalStep):
   paths, abstract, treedef = shards_lib.leaf_paths(abstract_tree)
-  arrays = [shards_lib.assemble(a, by) for a, by in zip(abstract, local.arrays)]
+  arrays = [placement.assemble(a, by) for a, by in zip(abstract, local.arrays)]
   return jax.tree_util.tree_unflatten(treedef, arrays)
 
 

@@ -30,6 +30,7 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from emergency_ckpt.cluster.topology import topology_from_mesh  # noqa: E402
+from emergency_ckpt.core import placement  # noqa: E402
 from emergency_ckpt.core import shards as shards_lib  # noqa: E402
 from emergency_ckpt.errors import (  # noqa: E402
   CorruptCheckpointError,
@@ -167,7 +168,7 @@ def restore(tier, step, abstract_tree):
   """Reads `step` and assembles global jax arrays, as the manager does."""
   paths, abstract, treedef = shards_lib.leaf_paths(abstract_tree)
   local = tier.read(step, paths, abstract)
-  arrays = [shards_lib.assemble(a, by) for a, by in zip(abstract, local.arrays)]
+  arrays = [placement.assemble(a, by) for a, by in zip(abstract, local.arrays)]
   return jax.tree_util.tree_unflatten(treedef, arrays)
 
 

@@ -18,7 +18,7 @@ import pytest  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from emergency_ckpt.core import shards  # noqa: E402
+from emergency_ckpt.core import placement, shards  # noqa: E402
 from emergency_ckpt.errors import CorruptCheckpointError  # noqa: E402
 from emergency_ckpt.persistent import checked_reads  # noqa: E402
 from emergency_ckpt.persistent import read as persistent_read  # noqa: E402
@@ -105,7 +105,7 @@ def test_every_shard_is_reported_ready_once_checked_and_the_values_are_exact(tmp
   want = {(n, s.index) for n, leaf in enumerate(layout.leaves) for s in leaf.slots if s.nbytes}
   assert sorted(ready) == sorted(want) and len(ready) == len(want)
   paths, leaves, _ = shards.leaf_paths(abstract)
-  got = shards.assemble_buffer(list(leaves), layout, buffer)
+  got = placement.assemble_buffer(list(leaves), layout, buffer)
   for want_leaf, got_leaf in zip(shards.leaf_paths(state)[1], got):
     np.testing.assert_array_equal(_bits(got_leaf), _bits(want_leaf))
 

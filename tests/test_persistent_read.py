@@ -22,7 +22,7 @@ from etils import epath  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from emergency_ckpt.core import shards  # noqa: E402
+from emergency_ckpt.core import placement, shards  # noqa: E402
 from emergency_ckpt.errors import CorruptCheckpointError, StateMismatchError  # noqa: E402
 from emergency_ckpt.persistent import checksums  # noqa: E402
 from emergency_ckpt.persistent import read as persistent_read  # noqa: E402
@@ -136,7 +136,7 @@ def test_reads_every_orbax_layout_bit_exactly_onto_the_requested_shardings(tmp_p
 def test_arrays_alias_one_aligned_host_buffer_on_cpu(tmp_path):
   """One copy from storage: the restored shards are 64-byte aligned views
   of one buffer laid out like the local tier's file, not fresh copies;
-  small replicated leaves excepted (copied by design: shards.SMALL_LEAF)."""
+  small replicated leaves excepted (copied by design: placement.SMALL_LEAF)."""
   state, item = _saved(tmp_path, "ocdbt-zarr2")
   abstract = _abstract(state)
   got = _read(item, abstract, state)
@@ -146,7 +146,7 @@ def test_arrays_alias_one_aligned_host_buffer_on_cpu(tmp_path):
   for leaf_layout, arr in zip(layout.leaves, jax.tree_util.tree_leaves(got)):
     by_device = {s.device: s for s in arr.addressable_shards}
     replicated = len(leaf_layout.slots) == 1
-    if replicated and leaf_layout.slots[0].nbytes <= shards.SMALL_LEAF:
+    if replicated and leaf_layout.slots[0].nbytes <= placement.SMALL_LEAF:
       continue
     checked += 1
     for slot in leaf_layout.slots:

@@ -9,7 +9,7 @@ other place than cluster/jax_runtime.py, which this pure layer may not
 import): tested with jax 0.10.2 and 0.12; without the call, or if it
 fails, every leaf goes through jax.device_put.
 
-Called by: shards.assemble_many (the restore's placement); no collective.
+Called by: placement.assemble_many (the restore's placement); no collective.
 """
 
 from __future__ import annotations

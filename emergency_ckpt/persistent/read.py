@@ -4,7 +4,7 @@ Orbax's restore has tensorstore allocate an array per shard (16-byte
 aligned), then places it on its device, which copies it again (XLA's CPU
 client aliases only 64-byte aligned host memory). Here tensorstore writes
 every unique shard this process needs straight into one page-aligned buffer,
-laid out like the local tier's file (shards.layout_for), and shards.assemble
+laid out like the local tier's file (shards.layout_for), and placement.assemble
 places views of it: on CPU the arrays alias the buffer (one copy from storage
 instead of two); on accelerators the buffer feeds the host-to-device copy.
 
@@ -33,7 +33,7 @@ import jax
 import numpy as np
 from etils import epath
 
-from emergency_ckpt.core import compat
+from emergency_ckpt.core import compat, placement
 from emergency_ckpt.core import shards as shards_lib
 from emergency_ckpt.errors import CorruptCheckpointError, StateMismatchError
 from emergency_ckpt.local import schema
@@ -81,7 +81,7 @@ def read(item_dir: epath.Path, abstract_tree: Any, ocp: Any, expected: Expected)
   """
   _, abstract, treedef = shards_lib.leaf_paths(abstract_tree)
   layout, buffer = read_into(item_dir, abstract_tree, ocp, expected)
-  arrays = shards_lib.assemble_buffer(abstract, layout, buffer)
+  arrays = placement.assemble_buffer(abstract, layout, buffer)
   return jax.tree_util.tree_unflatten(treedef, arrays)
 
 

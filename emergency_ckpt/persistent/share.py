@@ -44,7 +44,7 @@ from typing import Any
 import crc32c
 import numpy as np
 
-from emergency_ckpt.core import compat
+from emergency_ckpt.core import compat, placement
 from emergency_ckpt.core import shards as shards_lib
 from emergency_ckpt.errors import (
   CollectiveTimeoutError,
@@ -277,4 +277,4 @@ def read_shared(
       "; ".join(f["error"] for _, f in sorted(outcome.items())),
     )
     return None
-  return shards_lib.assemble_buffer(abstract, layout, buffer)
+  return placement.assemble_buffer(abstract, layout, buffer)

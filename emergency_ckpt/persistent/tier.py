@@ -36,7 +36,7 @@ import jax
 from jax.sharding import Mesh
 
 from emergency_ckpt.cluster.topology import Topology
-from emergency_ckpt.core import compat, failpoints, gcs_retry, layout
+from emergency_ckpt.core import compat, failpoints, gcs_retry, layout, placement
 from emergency_ckpt.core import shards as shards_lib
 from emergency_ckpt.core.storage import check_bucket
 from emergency_ckpt.errors import CollectiveTimeoutError
@@ -267,7 +267,7 @@ class PersistentTier(UploadInFlight):
     """
     _, abstract, treedef = shards_lib.leaf_paths(abstract_tree)
     layout, buffer = self.read_into(step, abstract_tree, expected)
-    arrays = shards_lib.assemble_buffer(abstract, layout, buffer)
+    arrays = placement.assemble_buffer(abstract, layout, buffer)
     return jax.tree_util.tree_unflatten(treedef, arrays)
 
   def read_into(

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from emergency_ckpt.cluster.topology import peer_host
-from emergency_ckpt.core import reshard
+from emergency_ckpt.core import placement, reshard
 from emergency_ckpt.core import shards as shards_lib
 from emergency_ckpt.errors import CollectiveTimeoutError, CorruptCheckpointError, PeerTransferError
 from emergency_ckpt.local.format import LocalStep, checksum_ok
@@ -226,7 +226,7 @@ def transfer(
               _dest(buffer, layout, p)[...] = src[reshard.relative(p.box, p.index)]
         _pull_all(offers, by_sender, layout, paths, buffer, step=step, timeout_s=timeout_s)
         arrays = [
-          shards_lib.assemble(
+          placement.assemble(
             a,
             {
               slot.index: whole.get((n, slot.index))

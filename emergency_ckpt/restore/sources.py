@@ -26,6 +26,7 @@ import jax
 
 from emergency_ckpt import transport as peer
 from emergency_ckpt.cluster.topology import peer_host
+from emergency_ckpt.core import placement
 from emergency_ckpt.core import reshard as reshard_lib
 from emergency_ckpt.core import shards as shards_lib
 from emergency_ckpt.errors import (
@@ -340,7 +341,7 @@ class Sources:
       return target.tree(arrays), mine
     if mine == restore_plan.LOCAL:
       # Its own private mapping, kept from recycling while mapped: every leaf aliases it.
-      arrays = shards_lib.assemble_many(target.abstract, local.arrays, copy_small=False)
+      arrays = placement.assemble_many(target.abstract, local.arrays, copy_small=False)
       return target.tree(arrays), mine
     expected = self._state.expected_crcs(plan.step, loaded.saved_count or topo.process_count)
     if read_shared:  # every slice reads the persistent tier: split it

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from emergency_ckpt.cluster.colocated import StagingWindow
+from emergency_ckpt.core import placement
 from emergency_ckpt.core import shards as shards_lib
 from emergency_ckpt.runtime import device_copy
 from emergency_ckpt.runtime.buffers import BufferPool
@@ -104,7 +105,7 @@ class HostSnapshot:
       {slot.index: shards_lib.view(self.buffer, leaf, slot) for slot in leaf.slots}
       for leaf in self.layout.leaves
     ]
-    return shards_lib.assemble_many(abstract, by_index, memory_kind)
+    return placement.assemble_many(abstract, by_index, memory_kind)
 
   def wait_others_staged(self) -> float:
     """Blocks until no process of this job on this machine is copying a step

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from emergency_ckpt.core import placement
 from emergency_ckpt.core import shards as shards_lib
 from emergency_ckpt.errors import TopologyError
 from emergency_ckpt.runtime.buffers import aligned_empty
@@ -144,7 +145,7 @@ def transfer(
     # after its sends are done (returning earlier could let the process exit
     # or free the sources mid-transfer)
     jax.block_until_ready(outs)
-    return shards_lib.assemble_many(abstract, local)
+    return placement.assemble_many(abstract, local)
   # A lost slice takes the received shards, rewrapped under exactly the
   # requested sharding (shard_map spells an equivalent one differently, and
   # device_put would reshard: a full copy).

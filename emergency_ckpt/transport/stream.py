@@ -51,7 +51,7 @@ from typing import Any
 
 import numpy as np
 
-from emergency_ckpt.core import failpoints
+from emergency_ckpt.core import failpoints, placement
 from emergency_ckpt.core import shards as shards_lib
 from emergency_ckpt.errors import CollectiveTimeoutError, PeerTransferError
 from emergency_ckpt.local.format import LocalStep, checksum_ok, shard_checksum
@@ -258,7 +258,7 @@ def transfer(
         t0 = time.perf_counter()
         buffer = receive(offers, layout, paths, pulls, step=step, timeout_s=timeout_s)
         t1 = time.perf_counter()
-        arrays = shards_lib.assemble_buffer(abstract, layout, buffer)
+        arrays = placement.assemble_buffer(abstract, layout, buffer)
         logger.info(
           "%s peer transfer of step %d: received %.1f MiB in %.3f s (%.2f GB/s) from"
           " processes %s, placed in %.3f s",
@@ -283,5 +283,5 @@ def transfer(
       f"the transfer of step {step} to slices {list(lost)} failed: " + "; ".join(failed)
     )
   if arrays is None:  # an intact slice keeps its own verified shards
-    arrays = shards_lib.assemble_many(abstract, local.arrays)
+    arrays = placement.assemble_many(abstract, local.arrays)
   return arrays
