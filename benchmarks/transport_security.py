@@ -34,8 +34,8 @@ import crc32c
 import numpy as np
 from cryptography.hazmat.primitives.poly1305 import Poly1305
 
+from emergency_ckpt.local.format import RunningChecksum
 from emergency_ckpt.transport import protocol, session
-from emergency_ckpt.transport.pull import RunningChecksum
 
 SHARD = 64 << 20
 

@@ -15,9 +15,8 @@ import numpy as np
 import pytest
 
 from emergency_ckpt.errors import CorruptCheckpointError
-from emergency_ckpt.local.format import checksum_ok
+from emergency_ckpt.local.format import RunningChecksum, checksum_ok
 from emergency_ckpt.transport import session as session_lib
-from emergency_ckpt.transport.pull import RunningChecksum
 
 KEY = os.urandom(32)
 

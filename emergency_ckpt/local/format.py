@@ -67,11 +67,35 @@ def checksum_ok(data, record: dict) -> bool:
   Returns:
     True if they match; False if they differ or the record has neither.
   """
-  if "crc32c" in record:
-    return crc32c.crc32c(data) == record["crc32c"]
-  if "crc32" in record:
-    return zlib.crc32(data) == record["crc32"]
-  return False
+  running = RunningChecksum(record)
+  running.update(data)
+  return running.ok()
+
+
+class RunningChecksum:
+  """A shard record's checksum (checksum_ok) summed over its bytes piece by
+  piece, in order (a peer receiver sums each piece as it arrives)."""
+
+  def __init__(self, record: dict):
+    """Args:
+    record: a manifest's shard record (checksum_ok).
+    """
+    if "crc32c" in record:
+      self._fn, self._want = crc32c.crc32c, record["crc32c"]
+    elif "crc32" in record:
+      self._fn, self._want = zlib.crc32, record["crc32"]
+    else:
+      self._fn, self._want = None, None
+    self._value = 0
+
+  def update(self, piece) -> None:
+    """Adds the next piece of the bytes (any buffer)."""
+    if self._fn is not None:
+      self._value = self._fn(piece, self._value)
+
+  def ok(self) -> bool:
+    """Whether the bytes so far match the record (False: no checksum in it)."""
+    return self._fn is not None and self._value == self._want
 
 
 def _canonical(body: dict) -> bytes:

@@ -17,14 +17,13 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import os
-import zlib
 from collections.abc import Sequence
 
-import crc32c
 import numpy as np
 
 from emergency_ckpt.core import shards as shards_lib
 from emergency_ckpt.errors import CorruptCheckpointError, PeerTransferError
+from emergency_ckpt.local.format import RunningChecksum
 from emergency_ckpt.runtime.buffers import aligned_empty
 from emergency_ckpt.transport import protocol
 
@@ -106,29 +105,6 @@ def pull(
       sock.recv_payload(view, running.update)  # summed piece by piece, as it arrives
       if not running.ok():
         raise CorruptCheckpointError(f"{where} fails its checksum on arrival")
-
-
-class RunningChecksum:
-  """A shard record's checksum (format.checksum_ok) summed over its bytes
-  piece by piece, in order."""
-
-  def __init__(self, record: dict):
-    if "crc32c" in record:
-      self._fn, self._want = crc32c.crc32c, record["crc32c"]
-    elif "crc32" in record:
-      self._fn, self._want = zlib.crc32, record["crc32"]
-    else:
-      self._fn, self._want = None, None
-    self._value = 0
-
-  def update(self, piece) -> None:
-    """Adds the next piece of the bytes."""
-    if self._fn is not None:
-      self._value = self._fn(piece, self._value)
-
-  def ok(self) -> bool:
-    """Whether the bytes so far match the record (False: no checksum in it)."""
-    return self._fn is not None and self._value == self._want
 
 
 STREAM_MIN_BYTES = 32 << 20

@@ -32,20 +32,19 @@ stream's two ends through protocol.py (stream.py, redundancy/*).
 
 from __future__ import annotations
 
-import concurrent.futures
 import hmac
 import json
 import os
 import socket
 import ssl
 import struct
-import threading
 from collections.abc import Callable
 from typing import Any
 
 from cryptography.hazmat.primitives.poly1305 import Poly1305
 
 from emergency_ckpt.errors import CorruptCheckpointError
+from emergency_ckpt.transport.overlap import Overlap
 
 MAX_HEADER = 1 << 20
 """Largest header or request a receiver accepts (a partner or XOR header, a
@@ -215,13 +214,13 @@ class Session:
     """Sends one payload (`data`, any buffer) and its tag. Blocks until
     the kernel took it (TimeoutError if the peer stops reading).
 
-    Each piece is MAC'd on a helper thread while it is sent (_Overlap)."""
+    Each piece is MAC'd on a helper thread while it is sent (overlap.py)."""
     mac = self._start(self._out_key, self._next_out())
     view = memoryview(data).cast("B")
     if mac is None:
       send_all(self.sock, view)
     else:
-      with _Overlap() as overlap:
+      with Overlap() as overlap:
         for pos in range(0, len(view), _PIECE):
           piece = view[pos : pos + _PIECE]
           overlap.then(mac.update, piece)
@@ -278,7 +277,7 @@ class Session:
     figure) and checks its tag. Blocks until it came.
 
     Each piece is MAC'd (and given to `check`) on a helper thread while the
-    next piece is received (_Overlap): the bytes are summed while still in
+    next piece is received (overlap.py): the bytes are summed while still in
     cache, and the kernel's copy of the next piece runs meanwhile.
 
     Args:
@@ -293,7 +292,7 @@ class Session:
     """
     view = memoryview(view).cast("B")
     rx = self.payload_in(len(view))
-    with _Overlap() as overlap:
+    with Overlap() as overlap:
       while rx.pos < len(view):
         start, end = rx.pos, min(len(view), rx.pos + _RECV_PIECE)
         while rx.pos < end:  # a whole piece (TLS returns one record per call)
@@ -384,44 +383,3 @@ class Incoming:
       raise CorruptCheckpointError(
         f"{self._s.what}: {self.length} payload bytes fail their MAC (altered on the wire)"
       )
-
-
-class _Overlap:
-  """Runs one job at a time on a helper thread, in order, while the caller
-  goes on (the next piece's system call): `then(fn, ...)` first waits for the
-  job before it. Leaving the block waits for the last one; its error (or the
-  block's own) is raised."""
-
-  def __init__(self):
-    self._pending: concurrent.futures.Future | None = None
-
-  def __enter__(self) -> _Overlap:
-    return self
-
-  def then(self, fn: Callable[..., None], *args) -> None:
-    self._wait()
-    self._pending = _helpers().submit(fn, *args)
-
-  def _wait(self) -> None:
-    pending, self._pending = self._pending, None
-    if pending is not None:
-      pending.result()
-
-  def __exit__(self, kind, *_) -> None:
-    if kind is None:
-      self._wait()
-    elif self._pending is not None:  # the caller failed: the job's outcome is moot
-      concurrent.futures.wait([self._pending])
-
-
-_HELPERS: concurrent.futures.ThreadPoolExecutor | None = None
-_HELPERS_LOCK = threading.Lock()
-
-
-def _helpers() -> concurrent.futures.ThreadPoolExecutor:
-  """The process's pool of MAC/checksum helper threads (made on first use)."""
-  global _HELPERS
-  with _HELPERS_LOCK:
-    if _HELPERS is None:
-      _HELPERS = concurrent.futures.ThreadPoolExecutor(16, "ec-peer-digest")
-    return _HELPERS
