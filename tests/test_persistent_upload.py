@@ -9,6 +9,7 @@ too), forced by upload_memory.CPU_UPLOAD_MEMORY_KIND."""
 from __future__ import annotations
 
 import shutil
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -103,3 +104,29 @@ def test_the_upload_hands_orbax_the_snapshot_in_its_memory_kind(options, mesh, m
   with ocp.CheckpointManager(layout.tensors_dir(options.persistent.directory)) as plain:
     got = plain.restore(4, args=ocp.args.PyTreeRestore(item=abstract))
   assert np.asarray(got["w"]).tobytes() == want.tobytes()
+
+
+def test_the_upload_never_moves_the_trainers_preemption_counter(options, mesh, monkeypatch):
+  """JAX's preemption sync service agrees on the step after every process's
+  last reached_preemption_sync_point(step) call; Orbax's manager would call
+  it from the upload threads with the upload's step, so the trainer's own
+  reached_preemption() could miss the agreed step on the primary slice.
+  Only the trainer's calls reach the service."""
+  from jax.experimental import multihost_utils  # noqa: PLC0415
+
+  calls = []
+  monkeypatch.setattr(
+    multihost_utils,
+    "reached_preemption_sync_point",
+    lambda step: calls.append((step, threading.current_thread().name)) or False,
+  )
+  sharding = NamedSharding(mesh, P(None, "data"))
+  state = {"w": jax.device_put(jnp.ones((64, 256), jnp.float32), sharding)}
+  with ec.CheckpointManager(options, mesh=mesh) as mngr:
+    for step in (4, 5, 8):
+      assert not mngr.reached_preemption(step)
+      mngr.save(step, state)
+    mngr.wait_until_finished()
+    assert 8 in mngr.all_steps()
+  main = threading.main_thread().name
+  assert calls == [(4, main), (5, main), (8, main)], calls

@@ -9,6 +9,12 @@ waits on an upload. Retention stays the manager's (retention/), which knows
 which steps are restorable; saves are asynchronous, with a timeout that
 fails Orbax's barriers after collective_timeout_s rather than Orbax's
 default of minutes; the folder is created by the tier, not by Orbax.
+Orbax's manager asks JAX's preemption sync service at every save and
+finalize (`reached_preemption(step)`), from the upload threads, with the
+upload's step: each call moves this process's counter in that service, so
+the trainer's own `reached_preemption(step)` could miss the agreed step on
+the primary slice. The tier's manager never asks: preemption is the
+trainer's call (`CheckpointManager.reached_preemption`).
 
 Called by: PersistentTier.open(), on each primary-slice process, at its
 first persistent save.
@@ -23,6 +29,17 @@ import jax
 from etils import epath
 
 from emergency_ckpt.cluster.topology import Topology
+
+
+def _without_preemption_checks(ocp: Any) -> type:
+  """ocp.CheckpointManager whose reached_preemption() is always False (the
+  manager decides what to save; JAX's sync service is the trainer's)."""
+
+  class _Manager(ocp.CheckpointManager):
+    def reached_preemption(self, step: int) -> bool:  # noqa: ARG002
+      return False
+
+  return _Manager
 
 
 def create(
@@ -67,7 +84,7 @@ def create(
       ),
     )
   )
-  return ocp.CheckpointManager(
+  return _without_preemption_checks(ocp)(
     directory,
     item_handlers=ocp.PyTreeCheckpointHandler(
       multiprocessing_options=mp,
