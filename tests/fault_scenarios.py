@@ -604,14 +604,20 @@ def commit_lag_run(args: dict) -> dict:
   """Phase "save": saves args['steps'], args['pace_s'] apart, while the
   primary's commit of one step lags and the primary dies after a later
   commit (EC_FAILPOINTS); the other processes wait to be torn down. Phase
-  "restore": restores and reports what came back."""
+  "save_close": the same, then waits for its saves and closes (a failpoint
+  that kills must never fire). Phase "restore": restores and reports what
+  came back."""
   mesh = sc.mesh_for(args["slices"])
   out: dict[str, Any] = {"process": me()}
-  if args["phase"] == "save":
+  if args["phase"] in ("save", "save_close"):
     mngr = ec.CheckpointManager(sc.options(args), mesh=mesh)
     for step in args["steps"]:
       mngr.save(step, make_state(mesh, step), data_state=sc.data_state(step))
       time.sleep(args["pace_s"])
+    if args["phase"] == "save_close":
+      mngr.wait_until_finished()
+      mngr.close()
+      return out
     time.sleep(600)  # the primary's failpoint ends the job
     return out
   with ec.CheckpointManager(sc.options(args), mesh=mesh) as mngr:

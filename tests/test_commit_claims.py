@@ -22,17 +22,21 @@ from emergency_ckpt.retention.rules import Rules
 
 def test_claims_are_kept_until_settled_and_released_on_a_failed_write():
   claims = CommitClaims()
-  claims.claim(3)
-  claims.claim(4)
+  assert claims.claim(3) and claims.claim(4)
   # retention planned to delete 3, 4 and 5; 3 and 4 were claimed meanwhile
-  assert claims.kept([3, 4, 5]) == {3, 4}
+  assert claims.drop([3, 4, 5]) == {3, 4}
   claims.release(4)  # its state write failed
   assert claims.claimed() == frozenset({3})
-  claims.claim(5)
+  # 5 was deleted before its state lane got to it: it must never commit
+  assert not claims.claim(5)
+  assert claims.claimed() == frozenset({3})
+  assert claims.claim(6)
   claims.settle(3)  # 3 committed: below it nothing commits later
-  assert claims.claimed() == frozenset({5})
+  assert claims.claimed() == frozenset({6})
   claims.settle(None)
-  assert claims.claimed() == frozenset({5})
+  assert claims.claimed() == frozenset({6})
+  claims.settle(5)  # the drops at or below a commit are forgotten too
+  assert claims.claimed() == frozenset({6}) and claims.claim(5)
 
 
 def test_the_local_plan_protects_claimed_steps_newer_than_the_newest_commit():
@@ -103,4 +107,49 @@ def test_a_lagging_commit_never_commits_a_step_retention_deleted_meanwhile(modul
   ).check()
   for r in restored:
     assert r["step"] == 3 and r["source"].startswith("local"), r
+    assert not r["mismatches"] and r["data_state"] == r["expected_data_state"], r
+
+
+def test_a_step_deleted_before_its_state_was_written_never_commits(module_shm_dir):
+  """1 slice x 2 processes, local max_to_keep 1, a step saved every 0.1 s:
+  process 1's state lane stalls 4 s at step 3 while it saves ~40 more steps,
+  so its retention deletes steps 4.. before their state files are written.
+  Those steps must not commit (process 1 vetoes them; the primary would die
+  right after COMMIT of step 10, one of them); the lane then catches up and
+  the newest steps commit; the restart restores the last step from the
+  ramdisks. Before the drops were marked, process 1 wrote those steps' state
+  files late, they committed, and a job stopped then restored an older step
+  (the soak's other "regressed" finding)."""
+  root = os.path.join(module_shm_dir, "state_lag")
+  last = 60
+  args = {
+    "slices": 1,
+    "local_root": os.path.join(root, "local"),
+    "persistent": os.path.join(root, "persistent"),
+    "persistent_interval": 1000,
+    "local_keep": 1,
+    "state_commit_timeout_s": 30,
+    "collective_timeout_s": 20,
+    "steps": list(range(1, last + 1)),
+    "pace_s": 0.1,
+    "phase": "save_close",
+  }
+  os.makedirs(root, exist_ok=True)
+  saved = run_job(
+    "tests.fault_scenarios:commit_lag_run",
+    2,
+    args,
+    env={
+      0: {"EC_FAILPOINTS": "state.after_commit@10:kill"},
+      1: {"EC_FAILPOINTS": "state.before_write@3:sleep4"},
+    },
+    timeout_s=120,
+  )
+  assert saved.returncodes == [0, 0], (saved.returncodes, saved.errors, saved.logs[1][-2000:])
+  assert "local retention deleted it before its state file was written" in saved.logs[1]
+  restored = run_job(
+    "tests.fault_scenarios:commit_lag_run", 2, dict(args, phase="restore"), timeout_s=120
+  ).check()
+  for r in restored:
+    assert r["step"] == last and r["source"].startswith("local"), r
     assert not r["mismatches"] and r["data_state"] == r["expected_data_state"], r

@@ -206,7 +206,7 @@ def test_event_log_records_saves_and_restores(shm_dir, mesh):
     mngr.save(1, _state(mesh, 1.0))
     mngr.save(2, _state(mesh, 2.0))
     mngr.wait_until_finished()
-    mngr.restore(_abstract(mesh))
+    got = mngr.restore(_abstract(mesh))
   events = read_events(os.path.join(shm_dir, "events", "p0.jsonl"))
   kinds = [(e["event"], e.get("step"), e.get("tier")) for e in events]
   assert kinds[0][0] == "run_start"
@@ -223,3 +223,9 @@ def test_event_log_records_saves_and_restores(shm_dir, mesh):
     32,
     None,
   )
+  # where its time went: each phase it ran, in order, adding up to its duration
+  phases = restore["phases"]
+  assert list(phases) == ["wait_saves", "inventory", "read", "agree", "place"], phases
+  assert all(v >= 0 for v in phases.values())
+  assert sum(phases.values()) <= restore["duration_s"] + 1e-5, (phases, restore["duration_s"])
+  assert got.phases == phases  # the same figures on the result

@@ -140,6 +140,7 @@ class Ours(Adapter):
 
   def restore(self):
     r = self._m.restore(self._layout.abstract)
+    self.phases = dict(r.phases)  # where the restore's time went (the results' JSON)
     return r.state, r.step, r.source
 
   def close(self):

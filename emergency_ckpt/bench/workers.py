@@ -327,6 +327,7 @@ def _timed_restore(
     "had_local": had_local,
     "evicted_files": evicted,
     "paired_cold_read_s": cold_read_s,
+    "phases": getattr(adapter, "phases", None),  # ours: seconds per part of the restore
   }
 
 

@@ -313,8 +313,11 @@ class CheckpointManager:
       check_data_state_target(data_state)
       parts = self._parts
       parts.wait_saves()
+      t1 = time.monotonic()
       try:
-        got = parts.restorer.restore(abstract_state, parts.inventory.exchange("restore"), step, t0)
+        job = parts.inventory.exchange("restore")
+        before = {"wait_saves": t1 - t0, "inventory": time.monotonic() - t1}
+        got = parts.restorer.restore(abstract_state, job, step, t0, before)
       finally:  # every process, all up: Orbax's set-up barrier starts off the restore path
         parts.orbax.start()
       self._last_step = got.step

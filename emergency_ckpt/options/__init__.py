@@ -289,7 +289,7 @@ class PeerOptions:
   partner copies, XOR chunks) beyond the handshake, in which both ends
   always prove they hold the secret published through the coordination
   service: "mac" (the default: under a per-connection key, an HMAC-SHA256
-  over every header and a Poly1305 over every shard, so a shard changed on
+  over every header and a GMAC (AES-GCM) over every shard, so a shard changed on
   the wire fails even when its CRC32C was fixed too; it costs one more pass
   over each byte in cache, measured in docs/security.md) or "crc" (headers MAC'd,
   payloads checked by their CRC32C only: against accidents, not a man in

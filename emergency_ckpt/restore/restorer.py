@@ -41,6 +41,7 @@ from emergency_ckpt.errors import (
 )
 from emergency_ckpt.restore import plan as restore_plan
 from emergency_ckpt.restore import summary as restore_summary
+from emergency_ckpt.restore.phases import PhaseClock
 from emergency_ckpt.restore.sources import Loaded, Sources, Target
 from emergency_ckpt.state.data_state import SavedDataStates, decode_data_state
 
@@ -69,6 +70,10 @@ class RestoreResult:
   "peer" (another slice, or other hosts' copies resharded onto this mesh),
   "partner" / "parity" (a lost host rebuilt inside its slice:
   local.redundancy), or "persistent"."""
+  phases: Mapping[str, float] = dataclasses.field(default_factory=dict)
+  """Seconds each part of this restore took on this process (as the restore
+  event's `phases`: wait_saves, inventory, read, agree, then place, transfer
+  or persistent)."""
 
 
 class Restorer:
@@ -107,6 +112,7 @@ class Restorer:
     job: restore_summary.JobInventory,
     step: int | None,
     started: float,
+    phases: dict[str, float] | None = None,
   ) -> RestoreResult:
     """Restores the newest restorable step (or `step`) of `job` onto
     abstract_state's shardings. Either way (unless mismatched) it records a
@@ -118,6 +124,9 @@ class Restorer:
       job: the inventory exchange's summary.
       step: the step to restore, or None for the newest restorable one.
       started: time.monotonic() when restore() began.
+      phases: seconds the caller spent already, by phase (e.g. the
+        inventory exchange): the restore event and the log show them
+        beside this restore's own (read, agree, transfer).
 
     Returns:
       The result, its data_state as stored (decode it with with_data_state).
@@ -130,16 +139,17 @@ class Restorer:
       CorruptCheckpointError: only damaged persistent copies were left.
     """
     target = Target.of(abstract_state)
-    out, tried = self._restore(target, job, step)
+    clock = PhaseClock(phases)
+    out, tried = self._restore(target, job, step, clock)
     self._staging.prepare(target.paths, target.abstract)
     if out is None:
       error = self._absence(job, step, tried)
-      self._record(started, None, None, 0, tried, str(error))
+      self._record(started, None, None, 0, tried, str(error), clock)
       raise error
     abstract = target.abstract
     nbytes = int(sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in abstract))
-    self._record(started, out.step, out.source, nbytes, tried, None)
-    return out
+    self._record(started, out.step, out.source, nbytes, tried, None, clock)
+    return dataclasses.replace(out, phases=clock.rounded())
 
   def _record(
     self,
@@ -149,19 +159,31 @@ class Restorer:
     nbytes: int,
     tried: list[str],
     error: str | None,
+    clock: PhaseClock,
   ) -> None:
+    duration = time.monotonic() - started
     self._ctx.events.record(
       "restore",
       step=step,
       source=source,
-      duration_s=round(time.monotonic() - started, 6),
+      duration_s=round(duration, 6),
       bytes=nbytes,
       tried=tried,
       error=error,
+      phases=clock.rounded(),
     )
+    if step is not None:
+      logger.info(
+        "%s restore of step %d from %s: %.3f s (%s)",
+        self._ctx.topology.log_prefix(),
+        step,
+        source,
+        duration,
+        clock.text(),
+      )
 
   def _restore(
-    self, target: Target, job: restore_summary.JobInventory, step: int | None
+    self, target: Target, job: restore_summary.JobInventory, step: int | None, clock: PhaseClock
   ) -> tuple[RestoreResult | None, list[str]]:
     """(the restored step or None, why candidates were rejected)."""
     topo, options = self._ctx.topology, self._ctx.options
@@ -178,11 +200,12 @@ class Restorer:
     tried: list[str] = []
     damaged = False  # a persistent step was found damaged
     for cand in cands:
-      with gc_pause.paused():  # a local read of many leaves: no collector passes in it
+      with clock("read"), gc_pause.paused():  # many leaves: no collector passes in it
         loaded = self._sources.load(cand, target)
-      got = self._ctx.collectives.gather_sparse(
-        f"restore_status_{cand.step}", None if loaded.status.is_ok else loaded.status.to_json()
-      )
+      with clock("agree"):
+        got = self._ctx.collectives.gather_sparse(
+          f"restore_status_{cand.step}", None if loaded.status.is_ok else loaded.status.to_json()
+        )
       statuses = {p: restore_plan.Status.from_json(v) for p, v in got.items()}  # failures
       mismatch = next((s.mismatch for s in statuses.values() if s.mismatch), None)
       if mismatch:
@@ -197,7 +220,7 @@ class Restorer:
         )
         tried.append(f"step {cand.step}: {why}")
         continue
-      run = (target, loaded, read_shared)
+      run = (target, loaded, read_shared, clock)
       try:
         try:
           state, source = self._run(plan, *run)
@@ -273,6 +296,23 @@ class Restorer:
     self._ctx.collectives.barrier(f"restore_discard_{restored}")
 
   def _run(
+    self,
+    plan: restore_plan.RestorePlan,
+    target: Target,
+    loaded: Loaded,
+    read_shared: bool,
+    clock: PhaseClock,
+  ) -> tuple[Any, str]:
+    if restore_plan.PERSISTENT in plan.sources:
+      phase = "persistent"
+    elif plan.peer_source is not None or plan.reshard_slices:
+      phase = "transfer"
+    else:
+      phase = "place"
+    with clock(phase):
+      return self._run_plan(plan, target, loaded, read_shared)
+
+  def _run_plan(
     self, plan: restore_plan.RestorePlan, target: Target, loaded: Loaded, read_shared: bool
   ) -> tuple[Any, str]:
     """Sources.execute, then (if any slice read the persistent tier) one

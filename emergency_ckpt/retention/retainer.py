@@ -141,8 +141,9 @@ class Retainer:
       metrics=self.metrics_of(steps),
       claimed=self.claims.claimed(),
     )
-    # a step claimed since the plan (its state file on its way) stays
-    keep = set(plan.keep) | self.claims.kept(plan.delete)
+    # a step claimed since the plan (its state file on its way) stays; the
+    # others are dropped: their claims fail, so they never commit
+    keep = set(plan.keep) | self.claims.drop(plan.delete)
     pending = sorted(s for s in plan.keep if "not committed yet" in plan.reasons[s])
     if plan.delete and len(pending) > self._options.local.max_to_keep:
       waiting = sorted(self.claims.claimed() & set(pending))

@@ -184,6 +184,7 @@ class Commits:
     *,
     written: bool = False,
     unsaved: str | None = None,
+    persistent: bool = False,
   ) -> None:
     """Queues this process's state file of `step` and, on the primary, its
     COMMIT. Blocks on nothing.
@@ -198,19 +199,17 @@ class Commits:
         required redundancy copy was not stored): no state file is written;
         the primary is told (a flag, then the state counter), so its commit
         gives the step up at once instead of waiting for the missing file.
+      persistent: `step` is a persistent step (it commits even where local
+        retention deleted this process's copy first: the persistent tier
+        holds it).
     """
     topo, collectives = self._ctx.topology, self._ctx.collectives
 
     if unsaved is not None:
       if sums is not None:
         sums.let_go()
-
-      def veto() -> None:  # the flag first: the primary reads it once the count is full
-        collectives.signal(UNSAVED.format(step))
-        collectives.count(WRITTEN.format(step), topo.process_count)
-
       if not topo.is_primary_process:
-        self._background.submit("state-write", veto)
+        self._background.submit("state-write", self._veto, step)
       else:  # the primary gives the step up itself; the others' files go with it
         self._background.submit("commit", self._give_up, step, unsaved)
       return
@@ -218,9 +217,22 @@ class Commits:
     if sums is not None and written:  # the manifest's CRCs: let go of the snapshot now,
       sums.resolve(self._local)  # not when the state lane (a sick bucket) gets to it
 
-    def write_state() -> None:
-      if written:  # local retention keeps the step until it commits (retention/claims.py)
-        self.retainer.claims.claim(step)
+    def write_state() -> bool:
+      # Local retention keeps a claimed step until it commits; a step it
+      # deleted before this lane got to it must not commit, unless the
+      # persistent tier holds it (retention/claims.py).
+      if written and not self.retainer.claims.claim(step) and not persistent and sums is None:
+        logger.warning(
+          "%s step %d is not committed: local retention deleted it before its state"
+          " file was written (the state lane is more than local.max_to_keep steps"
+          " behind the saves: is the state store slow?)",
+          topo.log_prefix(),
+          step,
+        )
+        self._ctx.health.skip("state", step)
+        if not topo.is_primary_process:
+          self._veto(step)
+        return False
       self._ctx.health.begin("state", step, "write")
       try:
         crcs = None if sums is None else sums.crcs(self._local if written else None)
@@ -233,10 +245,18 @@ class Commits:
       # the primary's commit hint; the last writer wakes its wait
       collectives.count(WRITTEN.format(step), topo.process_count)
       self.durable(step, "state", None)
+      return True
 
     write = self._background.submit("state-write", write_state)
     if topo.is_primary_process:
       self._background.submit("commit", self._commit, write, step, sums)
+
+  def _veto(self, step: int) -> None:
+    """A non-primary process: `step` must not commit. The flag first: the
+    primary reads it once the count is full."""
+    collectives, topo = self._ctx.collectives, self._ctx.topology
+    collectives.signal(UNSAVED.format(step))
+    collectives.count(WRITTEN.format(step), topo.process_count)
 
   def _give_up(self, step: int, why: str) -> None:
     """The primary: `step` will not commit (`why`); its COMMIT is never written."""
@@ -253,7 +273,9 @@ class Commits:
     topo, collectives = self._ctx.topology, self._ctx.collectives
     timeout_s = self._ctx.options.state_commit_timeout_s
     deadline = time.monotonic() + timeout_s
-    write.result()
+    if not write.result():  # retention deleted the primary's copy first
+      self._give_up(step, "local retention deleted it before its state file was written")
+      return False
     counted = collectives.wait_count(WRITTEN.format(step), topo.process_count, timeout_s=timeout_s)
     # The counter was the commit's hint only: late writers add to a fresh one.
     collectives.forget(count=WRITTEN.format(step))

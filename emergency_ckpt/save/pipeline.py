@@ -377,6 +377,8 @@ class SavePipeline:
         "redundancy", self._protection.protect, result.step, data_state, sums, persistent
       )
     else:
-      self._commits.queue_state(result.step, data_state, sums, written=result.ok)
+      self._commits.queue_state(
+        result.step, data_state, sums, written=result.ok, persistent=persistent
+      )
     if result.ok:
       self._commits.retainer.after_local_write(result.step)

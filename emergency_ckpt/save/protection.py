@@ -283,4 +283,4 @@ class Protection:
         return
     else:
       self._commits.durable(step, scheme, nbytes)
-    self._commits.queue_state(step, data_state, sums, written=True)
+    self._commits.queue_state(step, data_state, sums, written=True, persistent=persistent)

@@ -33,7 +33,7 @@ import struct
 from emergency_ckpt.errors import PeerTransferError
 from emergency_ckpt.transport import session as session_lib
 
-MAGIC = b"ECPEER3\n"  # 3: payload tags are Poly1305 (session.py)
+MAGIC = b"ECPEER4\n"  # 4: payload tags are GMAC (session.py)
 NONCE_BYTES = 32
 TOKEN_BYTES = 32
 PROOF_BYTES = 32

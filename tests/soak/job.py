@@ -3,7 +3,8 @@
 One round of the training run: restore (or start fresh when restore finds
 nothing), check every bit of what came back, train (save every step locally,
 persistently every args['persistent_interval'] steps), wait once for every
-save to be durable and list this host's ramdisk (the retention check), then
+save to be durable, meet the other processes, and list this host's ramdisk
+once the retention the last commit allows ran (the retention check), then
 train on until the parent SIGKILLs the job, or stop cleanly after
 args['max_steps'] steps.
 
@@ -100,6 +101,27 @@ def _open_and_restore(args: dict, mesh) -> tuple[ec.CheckpointManager | None, di
   }
 
 
+SETTLE_S = 3.0
+"""The longest wait at the quiet point for the retention a last commit allows."""
+
+
+def _settled(folders: dict, args: dict) -> bool:
+  """Whether every folder holds what the runner's retention check allows
+  (runner._check_retention: this process's own folder max_to_keep + 2
+  steps and no entry in progress, the folders others send to max_to_keep + 3
+  and one; one spare each)."""
+  own = f"process_{jax.process_index()}"
+  keep = args["local_keep"]
+  for folder, ent in folders.items():
+    if folder.split("/")[0] != own:
+      continue
+    limit, tmp_limit = (keep + 2, 0) if folder == own else (keep + 3, 1)
+    spares = [t for t in ent["tmp"] if t.startswith(".tmp-spare-")]
+    if len(ent["steps"]) > limit or len(spares) > 1 or len(ent["tmp"]) - len(spares) > tmp_limit:
+      return False  # e.g. a deletion under way (.tmp-delete-*)
+  return True
+
+
 def _train(mngr: ec.CheckpointManager, mesh, args: dict, start: int) -> None:
   me = jax.process_index()
   for done, step in enumerate(range(start, start + args["max_steps"]), 1):
@@ -114,13 +136,24 @@ def _train(mngr: ec.CheckpointManager, mesh, args: dict, start: int) -> None:
     if done == args["train_steps"]:
       t0 = time.monotonic()
       mngr.wait_until_finished()
+      wait_s = time.monotonic() - t0
+      # Every process's saves are durable, so the primary's wait covered the
+      # last commit; the others' retention runs once they see it (their
+      # commit watch): the listing is taken when it settled, at most SETTLE_S.
+      barrier(f"soak-quiet-{step}", timeout_s=args["step_barrier_s"])
+      t1 = time.monotonic()
+      folders = host_listing(sc.host_dir(args))
+      while not _settled(folders, args) and time.monotonic() - t1 < SETTLE_S:
+        time.sleep(0.05)
+        folders = host_listing(sc.host_dir(args))
       report(
         QUIET.format(me),
         {
           "step": step,
           "saved_since_restore": done,
-          "wait_s": round(time.monotonic() - t0, 2),
-          "folders": host_listing(sc.host_dir(args)),
+          "wait_s": round(wait_s, 2),
+          "settle_s": round(time.monotonic() - t1, 2),
+          "folders": folders,
         },
       )
     time.sleep(args["step_s"])
