@@ -65,6 +65,27 @@ def test_failpoint_sleep_is_parsed_and_waits():
     raise AssertionError("a malformed sleep was accepted")
 
 
+def _lag_args(
+  shm_dir: str, name: str, *, last: int, pace_s: float, commit_timeout_s: float, phase: str
+) -> dict:
+  """commit_lag_run's args: 1 slice, local max_to_keep 1, steps 1..last
+  saved pace_s apart, no persistent step; its folders made under shm_dir."""
+  root = os.path.join(shm_dir, name)
+  os.makedirs(root, exist_ok=True)
+  return {
+    "slices": 1,
+    "local_root": os.path.join(root, "local"),
+    "persistent": os.path.join(root, "persistent"),
+    "persistent_interval": 1000,
+    "local_keep": 1,
+    "state_commit_timeout_s": commit_timeout_s,
+    "collective_timeout_s": 20,
+    "steps": list(range(1, last + 1)),
+    "pace_s": pace_s,
+    "phase": phase,
+  }
+
+
 def test_a_lagging_commit_never_commits_a_step_retention_deleted_meanwhile(module_shm_dir):
   """1 slice x 2 processes, local max_to_keep 1, a step saved every 0.3 s:
   the primary's commit of step 3 waits 8 s, and the primary dies right
@@ -74,20 +95,9 @@ def test_a_lagging_commit_never_commits_a_step_retention_deleted_meanwhile(modul
   step 3 from the ramdisks. Before the claims, retention deleted 3 during
   the lag, it committed anyway, and the restart found its newest committed
   step on no ramdisk (the soak's "regressed" finding)."""
-  root = os.path.join(module_shm_dir, "commit_lag")
-  args = {
-    "slices": 1,
-    "local_root": os.path.join(root, "local"),
-    "persistent": os.path.join(root, "persistent"),
-    "persistent_interval": 1000,
-    "local_keep": 1,
-    "state_commit_timeout_s": 60,
-    "collective_timeout_s": 20,
-    "steps": list(range(1, 15)),
-    "pace_s": 0.3,
-    "phase": "save",
-  }
-  os.makedirs(root, exist_ok=True)
+  args = _lag_args(
+    module_shm_dir, "commit_lag", last=14, pace_s=0.3, commit_timeout_s=60, phase="save"
+  )
   saved = run_job(
     "tests.fault_scenarios:commit_lag_run",
     2,
@@ -120,21 +130,10 @@ def test_a_step_deleted_before_its_state_was_written_never_commits(module_shm_di
   ramdisks. Before the drops were marked, process 1 wrote those steps' state
   files late, they committed, and a job stopped then restored an older step
   (the soak's other "regressed" finding)."""
-  root = os.path.join(module_shm_dir, "state_lag")
   last = 60
-  args = {
-    "slices": 1,
-    "local_root": os.path.join(root, "local"),
-    "persistent": os.path.join(root, "persistent"),
-    "persistent_interval": 1000,
-    "local_keep": 1,
-    "state_commit_timeout_s": 30,
-    "collective_timeout_s": 20,
-    "steps": list(range(1, last + 1)),
-    "pace_s": 0.1,
-    "phase": "save_close",
-  }
-  os.makedirs(root, exist_ok=True)
+  args = _lag_args(
+    module_shm_dir, "state_lag", last=last, pace_s=0.1, commit_timeout_s=30, phase="save_close"
+  )
   saved = run_job(
     "tests.fault_scenarios:commit_lag_run",
     2,
