@@ -217,11 +217,14 @@ class Commits:
     if sums is not None and written:  # the manifest's CRCs: let go of the snapshot now,
       sums.resolve(self._local)  # not when the state lane (a sick bucket) gets to it
 
+    persistent = persistent or sums is not None  # shard checksums: a persistent step
+
     def write_state() -> bool:
       # Local retention keeps a claimed step until it commits; a step it
       # deleted before this lane got to it must not commit, unless the
       # persistent tier holds it (retention/claims.py).
-      if written and not self.retainer.claims.claim(step) and not persistent and sums is None:
+      claimed = self.retainer.claims.claim(step) if written else True
+      if not claimed and not persistent:
         logger.warning(
           "%s step %d is not committed: local retention deleted it before its state"
           " file was written (the state lane is more than local.max_to_keep steps"

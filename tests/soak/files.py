@@ -75,6 +75,31 @@ def host_listing(host: str) -> dict[str, dict[str, list[str]]]:
   return out
 
 
+def over_budget(folder: str, ent: dict, own: str, keep: int) -> list[str]:
+  """What one of this process's folders of host_listing holds beyond what
+  local retention allows at a quiet point (empty: within it): its own folder
+  max_to_keep + 2 steps and no entry in progress, the folders other
+  processes send to (partner/, xor/) max_to_keep + 3 steps and one; one
+  spare each.
+
+  Args:
+    folder: the folder's path relative to the run folder ("process_1",
+      "process_1/partner/process_0", ...).
+    ent: its host_listing entry.
+    own: this process's folder name ("process_1").
+    keep: local.max_to_keep.
+  """
+  limit, tmp_limit = (keep + 2, 0) if folder == own else (keep + 3, 1)
+  spares = [t for t in ent["tmp"] if t.startswith(".tmp-spare-")]
+  other = [t for t in ent["tmp"] if t not in spares]
+  out = []
+  if len(ent["steps"]) > limit:
+    out.append(f"{len(ent['steps'])} steps {ent['steps']} (max_to_keep={keep})")
+  if len(spares) > 1 or len(other) > tmp_limit:
+    out.append(f"leftovers {ent['tmp']}")
+  return out
+
+
 def local_files(local_root: str) -> list[str]:
   """Every file under the local root (data, manifests, partner copies,
   parity blocks, group files, spares), sorted; not the `.owner` lock files."""

@@ -33,6 +33,7 @@ import emergency_ckpt as ec
 from emergency_ckpt.demo.job_process import job_output_dir
 from tests import scenarios as sc
 from tests.helpers import barrier
+from tests.soak import files
 from tests.soak.files import PROGRESS, QUIET, RESTORED, TRAIN_ERROR, host_listing
 
 
@@ -106,20 +107,14 @@ SETTLE_S = 3.0
 
 
 def _settled(folders: dict, args: dict) -> bool:
-  """Whether every folder holds what the runner's retention check allows
-  (runner._check_retention: this process's own folder max_to_keep + 2
-  steps and no entry in progress, the folders others send to max_to_keep + 3
-  and one; one spare each)."""
+  """Whether every folder of this process holds what the runner's retention
+  check allows (files.over_budget)."""
   own = f"process_{jax.process_index()}"
-  keep = args["local_keep"]
-  for folder, ent in folders.items():
-    if folder.split("/")[0] != own:
-      continue
-    limit, tmp_limit = (keep + 2, 0) if folder == own else (keep + 3, 1)
-    spares = [t for t in ent["tmp"] if t.startswith(".tmp-spare-")]
-    if len(ent["steps"]) > limit or len(spares) > 1 or len(ent["tmp"]) - len(spares) > tmp_limit:
-      return False  # e.g. a deletion under way (.tmp-delete-*)
-  return True
+  return not any(
+    files.over_budget(folder, ent, own, args["local_keep"])
+    for folder, ent in folders.items()
+    if folder.split("/")[0] == own
+  )
 
 
 def _train(mngr: ec.CheckpointManager, mesh, args: dict, start: int) -> None:

@@ -651,20 +651,13 @@ class Soak:
       for folder, ent in q["folders"].items():
         top = folder.split("/")[0]
         spares = [t for t in ent["tmp"] if t.startswith(".tmp-spare-")]
-        other = [t for t in ent["tmp"] if t not in spares]
         where = f"process {i} after {q['saved_since_restore']} saves and a wait, {folder}"
         if top != own:
           if q["saved_since_restore"] >= keep + 2 and (ent["steps"] or spares):
             orphans.append(f"{where}: an adopted folder still holds {ent['steps'] + spares}")
           continue
-        if folder == own:
-          limit, tmp_limit = keep + 2, 0
-        else:  # partner copies or parity blocks other processes send (maybe in flight)
-          limit, tmp_limit = keep + 3, 1
-        if len(ent["steps"]) > limit:
-          found.append(f"{where}: {len(ent['steps'])} steps {ent['steps']} (max_to_keep={keep})")
-        if len(spares) > 1 or len(other) > tmp_limit:
-          found.append(f"{where}: leftovers {ent['tmp']}")
+        # partner copies or parity blocks other processes send may be in flight
+        found += [f"{where}: {p}" for p in files.over_budget(folder, ent, own, keep)]
         old = [s for s in ent["unmarked"] if int(s[5:]) <= q["step"] - keep - 2]
         if old:
           torn.append(f"{where}: step folders without their marker, never removed: {old}")
