@@ -160,3 +160,46 @@ def test_manifest_layouts_old_and_new_read_and_any_flip_is_refused():
       except CorruptCheckpointError:
         continue
       assert got == body, (i, torn[max(0, i - 20) : i + 20])  # only a no-op flip may pass
+
+
+def test_discovery_decode_skips_only_the_leaf_checks_and_never_vouches_for_them():
+  """Discovery decodes each kept step's manifest without the per-leaf
+  checks (leaves=False); those bytes must still get them when a reader
+  decodes them whole: the light decode never lets them into the cache of
+  checked manifests."""
+  body = _body()
+  body["leaves"][1]["shards"][0]["nbytes"] = 24  # a forged size, its CRC32 recomputed
+  raw = local_format.encode_manifest(body)
+  assert local_format.decode_manifest(raw, "m", leaves=False) == body
+  with pytest.raises(CorruptCheckpointError, match=r"\['l1'\]|24"):
+    local_format.decode_manifest(raw, "m")
+  assert local_format.decode_manifest(raw, "m", leaves=False) == body  # again: still light
+  with pytest.raises(CorruptCheckpointError):
+    local_format.decode_manifest(raw, "m")
+  head = dict(body, topology=[1, 2])  # outside the leaves: refused by the light decode too
+  with pytest.raises(CorruptCheckpointError, match="topology"):
+    local_format.decode_manifest(local_format.encode_manifest(head), "m", leaves=False)
+  for bad in ([], {"step": 1}):  # a body that is no object, or lacks its leaves
+    with pytest.raises(CorruptCheckpointError):
+      local_format.decode_manifest(
+        json.dumps({"body": bad, "crc32": zlib.crc32(json.dumps(bad).encode())}).encode(),
+        "m",
+        leaves=False,
+      )
+
+
+def test_a_forged_leaf_in_the_newest_manifest_falls_back_to_the_step_before(options, mesh):
+  """A manifest whose leaf record was edited and its CRC32 recomputed passes
+  discovery's light decode; the read refuses it, and the restore takes the
+  step before (bit-exact), never the forged one."""
+  tree, dirs = _saved(options, mesh, steps=(2, 4))
+  where = dirs[4]
+  body = local_format.read_manifest(where)
+  body["leaves"][N // 2]["shards"][0]["nbytes"] += 8
+  with open(os.path.join(where, local_format.MANIFEST), "wb") as f:
+    f.write(local_format.encode_manifest(body))
+  with ec.CheckpointManager(options, mesh=mesh) as mngr:
+    got = mngr.restore(_abstract(tree))
+  assert (got.step, got.source) != (4, "local"), (got.step, got.source)
+  for k, v in tree.items():
+    np.testing.assert_array_equal(np.asarray(got.state[k]), np.asarray(v), err_msg=k)

@@ -245,7 +245,7 @@ class HostCopies:
       for step in folders.list_local_steps(folder):
         where = layout.local_step_dir(folder, step)
         try:
-          body = local_format.read_manifest(where)
+          body = local_format.read_manifest(where, leaves=False)
         except (OSError, CorruptCheckpointError) as e:
           if folder == self._directory:
             bad[step] = str(e)
@@ -280,7 +280,7 @@ class HostCopies:
       for step in folders.list_local_steps(folder):
         where = layout.local_step_dir(folder, step)
         try:
-          body = local_format.read_manifest(where)
+          body = local_format.read_manifest(where, leaves=False)
         except (OSError, CorruptCheckpointError):
           continue  # checked again when read; a torn copy is not listed
         copy = Copy.of(body, partner=True) if body.get("run_id") == self._run_id else None
@@ -310,7 +310,7 @@ class HostCopies:
           group = [int(p) for p in body["group"]]
           process = group[int(body["member"])]
           some = local_format.decode_manifest(
-            bytes.fromhex(next(iter(body["manifests"].values()))), where
+            bytes.fromhex(next(iter(body["manifests"].values()))), where, leaves=False
           )
         except (
           OSError,

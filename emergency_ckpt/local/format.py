@@ -30,7 +30,7 @@ import numpy as np
 
 from emergency_ckpt.core import layout
 from emergency_ckpt.errors import CorruptCheckpointError
-from emergency_ckpt.local.schema import check_manifest
+from emergency_ckpt.local.schema import check_manifest, check_manifest_head
 
 if TYPE_CHECKING:  # shards imports JAX: offline tools (verify, gc) never need it
   from emergency_ckpt.core import shards as shards_lib
@@ -132,12 +132,15 @@ def _raw_crc_ok(raw: bytes) -> bool:
   return tail is not None and zlib.crc32(raw[len(_HEAD) : tail.start()]) == int(tail[1])
 
 
-def decode_manifest(raw: bytes, where: str) -> dict:
+def decode_manifest(raw: bytes, where: str, *, leaves: bool = True) -> dict:
   """The body of a manifest file's bytes, checked.
 
   Args:
     raw: the file's bytes.
     where: names it in errors.
+    leaves: False: every check but the per-leaf ones (check_manifest_head:
+      what discovery needs of each kept step; a reader of the step's
+      tensors decodes it again with them).
 
   Returns:
     The body.
@@ -162,6 +165,9 @@ def decode_manifest(raw: bytes, where: str) -> dict:
   if not isinstance(body, dict) or body.get("format") != FORMAT:
     what = body.get("format") if isinstance(body, dict) else type(body).__name__
     raise CorruptCheckpointError(f"{where}: unknown format {what!r}")
+  if not leaves:  # not remembered: only these bytes' full check is
+    check_manifest_head(body, where)
+    return body
   check_manifest(body, where)
   if len(raw) <= _CHECKED_MAX_BYTES:
     with _CHECKED_LOCK:
@@ -182,11 +188,12 @@ _CHECKED_MAX_BYTES = 16 << 20
 _CHECKED_LOCK = threading.Lock()
 
 
-def read_manifest(step_dir: str) -> dict:
+def read_manifest(step_dir: str, *, leaves: bool = True) -> dict:
   """decode_manifest of a step folder's manifest.
 
   Args:
     step_dir: the step's folder.
+    leaves: as decode_manifest's.
 
   Returns:
     The body.
@@ -197,7 +204,7 @@ def read_manifest(step_dir: str) -> dict:
   """
   path = os.path.join(step_dir, MANIFEST)
   with open(path, "rb") as f:
-    return decode_manifest(f.read(), path)
+    return decode_manifest(f.read(), path, leaves=leaves)
 
 
 def raw_manifest(step_dir: str) -> bytes:

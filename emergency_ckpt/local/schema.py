@@ -68,12 +68,7 @@ def check_manifest(body: dict, where: str) -> None:
   Raises:
     CorruptCheckpointError: a field is missing, mistyped or out of bounds.
   """
-  if field(body, "step", int, where) < 0 or field(body, "nbytes", int, where) < 0:
-    raise CorruptCheckpointError(f"{where}: negative step or nbytes")
-  for key, kind in (("run_id", str), ("process_index", int), ("slice_index", int)):
-    field(body, key, kind, where, None)
-  field(body, "saved_at", float, where, None)
-  check_topology(field(body, "topology", dict, where, {}), where)
+  check_manifest_head(body, where)
   paths = set()
   total = body["nbytes"]
   for leaf in field(body, "leaves", list, where):
@@ -93,6 +88,28 @@ def check_manifest(body: dict, where: str) -> None:
       _check_shard(s, shape, itemsize, body["nbytes"], f"{where}: leaf {leaf['path']}")
   if len(paths) != len(body["leaves"]):
     raise CorruptCheckpointError(f"{where}: a leaf path appears twice")
+
+
+def check_manifest_head(body: dict, where: str) -> None:
+  """check_manifest without the per-leaf checks: every field outside
+  `leaves` (step, sizes, run, process, topology), and `leaves` a list. What
+  the local tier's discovery reads of every kept step; the step a restore
+  reads gets check_manifest whole.
+
+  Args:
+    body: a decoded manifest body.
+    where: names it in errors.
+
+  Raises:
+    CorruptCheckpointError: a field is missing, mistyped or out of bounds.
+  """
+  if field(body, "step", int, where) < 0 or field(body, "nbytes", int, where) < 0:
+    raise CorruptCheckpointError(f"{where}: negative step or nbytes")
+  for key, kind in (("run_id", str), ("process_index", int), ("slice_index", int)):
+    field(body, key, kind, where, None)
+  field(body, "saved_at", float, where, None)
+  check_topology(field(body, "topology", dict, where, {}), where)
+  field(body, "leaves", list, where)
 
 
 def _leaf_ok(leaf: Any, total: int) -> bool:

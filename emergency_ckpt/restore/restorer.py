@@ -188,8 +188,12 @@ class Restorer:
     """(the restored step or None, why candidates were rejected)."""
     topo, options = self._ctx.topology, self._ctx.options
     cands = restore_plan.candidates(job, step=step)
-    peer_problem = peer.check_peer_compatible(
-      target.paths, target.abstract, self._ctx.mesh, topo.replica_axis_name
+    peer_problem = (  # one slice: no peer to serve or be served (thousands of leaves: ms)
+      None
+      if topo.num_slices == 1
+      else peer.check_peer_compatible(
+        target.paths, target.abstract, self._ctx.mesh, topo.replica_axis_name
+      )
     )
     read_shared = (  # may the slices split a persistent read?
       options.persistent.shared_read

@@ -253,10 +253,15 @@ class StagingArea:
     """
     if self._closed or not self._pool.keep:
       return
+    # The layout too (thousands of leaves: milliseconds): off the caller's path.
+    self._preparer.submit(self._preallocate_for, list(paths), list(abstract))
+
+  def _preallocate_for(self, paths: list[str], abstract: list[Any]) -> None:
+    """prepare()'s background part. A state the layout refuses is left to
+    save(), which raises the same error where the trainer sees it."""
     nbytes = shards_lib.layout_for(paths, abstract).nbytes
-    if nbytes == 0:
-      return
-    self._preparer.submit(self._pool.preallocate, nbytes)
+    if nbytes:
+      self._pool.preallocate(nbytes)
 
   def wait_prepared(self) -> None:
     """Blocks until prepare()'s queued work is done."""
