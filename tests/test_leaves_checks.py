@@ -203,3 +203,29 @@ def test_a_forged_leaf_in_the_newest_manifest_falls_back_to_the_step_before(opti
   assert (got.step, got.source) != (4, "local"), (got.step, got.source)
   for k, v in tree.items():
     np.testing.assert_array_equal(np.asarray(got.state[k]), np.asarray(v), err_msg=k)
+
+
+def test_a_light_decode_hands_its_body_to_the_next_whole_decode_of_the_same_bytes(monkeypatch):
+  """Discovery's light decode parks its body; the step's read (a whole
+  decode of the same bytes) takes it instead of parsing again, still makes
+  the per-leaf checks, and drops the other parked bodies."""
+  parses = []
+  real = json.loads
+  monkeypatch.setattr(local_format.json, "loads", lambda raw: parses.append(1) or real(raw))
+  local_format._PARKED.clear()  # noqa: SLF001
+  bodies = [_body(n) for n in (2, 3, 4)]
+  raws = [local_format.encode_manifest(b) for b in bodies]
+  for raw in raws:
+    local_format.decode_manifest(raw, "m", leaves=False)
+  assert len(parses) == 3 and len(local_format._PARKED) == 2  # noqa: SLF001 - bounded
+  assert local_format.decode_manifest(raws[2], "m") == bodies[2]
+  assert len(parses) == 3  # taken, not parsed again
+  assert local_format._PARKED == {}  # noqa: SLF001 - the rest dropped
+  assert local_format.decode_manifest(raws[1], "m") == bodies[1]
+  assert len(parses) == 4  # nothing parked for it any more: parsed
+  forged = _body(2)
+  forged["leaves"][0]["shards"][0]["offset"] = 10**9  # past the end, its CRC32 recomputed
+  raw = local_format.encode_manifest(forged)
+  local_format.decode_manifest(raw, "m", leaves=False)
+  with pytest.raises(CorruptCheckpointError):  # a parked body still gets the leaf checks
+    local_format.decode_manifest(raw, "m")

@@ -140,7 +140,9 @@ def decode_manifest(raw: bytes, where: str, *, leaves: bool = True) -> dict:
     where: names it in errors.
     leaves: False: every check but the per-leaf ones (check_manifest_head:
       what discovery needs of each kept step; a reader of the step's
-      tensors decodes it again with them).
+      tensors decodes it again with them). The caller must not modify
+      the body it gets then: it is handed on to the next whole decode of
+      the same bytes (the step's read), which then parses nothing.
 
   Returns:
     The body.
@@ -151,8 +153,32 @@ def decode_manifest(raw: bytes, where: str, *, leaves: bool = True) -> dict:
   raw = bytes(raw)
   with _CHECKED_LOCK:
     known = raw in _CHECKED
+    body = _PARKED.pop(raw, None) if leaves else None
+    if leaves:
+      _PARKED.clear()  # a read came: discovery's other bodies are not wanted
   if known:  # these very bytes passed every check below: decode only
-    return json.loads(raw)["body"]
+    return body if body is not None else json.loads(raw)["body"]
+  if body is None:
+    body = _decode(raw, where)
+  if not leaves:  # not remembered as checked: only these bytes' full check is
+    check_manifest_head(body, where)
+    if len(raw) <= _PARKED_MAX_BYTES:
+      with _CHECKED_LOCK:
+        _PARKED[raw] = body
+        while len(_PARKED) > _PARKED_KEEP:
+          del _PARKED[next(iter(_PARKED))]
+    return body
+  check_manifest(body, where)
+  if len(raw) <= _CHECKED_MAX_BYTES:
+    with _CHECKED_LOCK:
+      _CHECKED[raw] = None
+      while len(_CHECKED) > _CHECKED_KEEP:
+        del _CHECKED[next(iter(_CHECKED))]
+  return body
+
+
+def _decode(raw: bytes, where: str) -> dict:
+  """A manifest's body, its checksum and format checked (not its fields)."""
   try:
     doc = json.loads(raw)
     body = doc["body"]
@@ -165,23 +191,24 @@ def decode_manifest(raw: bytes, where: str, *, leaves: bool = True) -> dict:
   if not isinstance(body, dict) or body.get("format") != FORMAT:
     what = body.get("format") if isinstance(body, dict) else type(body).__name__
     raise CorruptCheckpointError(f"{where}: unknown format {what!r}")
-  if not leaves:  # not remembered: only these bytes' full check is
-    check_manifest_head(body, where)
-    return body
-  check_manifest(body, where)
-  if len(raw) <= _CHECKED_MAX_BYTES:
-    with _CHECKED_LOCK:
-      _CHECKED[raw] = None
-      while len(_CHECKED) > _CHECKED_KEEP:
-        del _CHECKED[next(iter(_CHECKED))]
   return body
 
+
+# The bodies of the last light decodes (discovery's), by their bytes, for
+# the next whole decode of the same bytes: a restore reads the newest step's
+# manifest in discovery, then again in the read, and a manifest of
+# thousands of leaves takes milliseconds per parse. A whole decode takes
+# its body and drops the rest, so at most _PARKED_KEEP bodies outlive a
+# restore, and only where discovery ran without a read.
+_PARKED: dict[bytes, dict] = {}
+_PARKED_KEEP = 2
+_PARKED_MAX_BYTES = 2 << 20
 
 # The last manifests that passed decode_manifest's checks, as bytes: the
 # restore reads a step's manifest more than once (discovery, then the read),
 # and a manifest of thousands of leaves costs tens of ms to check. Keyed by
-# the whole file, so a changed byte is checked afresh; each caller still gets
-# its own freshly decoded body.
+# the whole file, so a changed byte is checked afresh; each caller gets a
+# body of its own (freshly decoded, or parked for it by a light decode).
 _CHECKED: dict[bytes, None] = {}
 _CHECKED_KEEP = 8
 _CHECKED_MAX_BYTES = 16 << 20
