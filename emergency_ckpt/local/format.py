@@ -163,18 +163,20 @@ def decode_manifest(raw: bytes, where: str, *, leaves: bool = True) -> dict:
   if not leaves:  # not remembered as checked: only these bytes' full check is
     check_manifest_head(body, where)
     if len(raw) <= _PARKED_MAX_BYTES:
-      with _CHECKED_LOCK:
-        _PARKED[raw] = body
-        while len(_PARKED) > _PARKED_KEEP:
-          del _PARKED[next(iter(_PARKED))]
+      _remember(_PARKED, raw, body, _PARKED_KEEP)
     return body
   check_manifest(body, where)
   if len(raw) <= _CHECKED_MAX_BYTES:
-    with _CHECKED_LOCK:
-      _CHECKED[raw] = None
-      while len(_CHECKED) > _CHECKED_KEEP:
-        del _CHECKED[next(iter(_CHECKED))]
+    _remember(_CHECKED, raw, None, _CHECKED_KEEP)
   return body
+
+
+def _remember(cache: dict, raw: bytes, value, keep: int) -> None:
+  """cache[raw] = value, the oldest entries dropped beyond `keep`."""
+  with _CHECKED_LOCK:
+    cache[raw] = value
+    while len(cache) > keep:
+      del cache[next(iter(cache))]
 
 
 def _decode(raw: bytes, where: str) -> dict:
