@@ -229,3 +229,20 @@ def test_a_light_decode_hands_its_body_to_the_next_whole_decode_of_the_same_byte
   local_format.decode_manifest(raw, "m", leaves=False)
   with pytest.raises(CorruptCheckpointError):  # a parked body still gets the leaf checks
     local_format.decode_manifest(raw, "m")
+
+
+def test_a_newer_step_the_restore_rejected_is_removed(options, mesh):
+  """Step 6 (local only) is damaged: the restore rejects it and takes step 4.
+  Training goes on from step 5 and will save step 6 again, so the rejected
+  copy must not stay beside the new saves (the soak's 'orphans' finding: a
+  rejected newer step kept in a folder adopted after a host shuffle)."""
+  tree, dirs = _saved(options, mesh, steps=(4, 6))
+  body = local_format.read_manifest(dirs[6])
+  body["leaves"][N // 2]["shards"][0]["nbytes"] += 8  # forged, its CRC32 recomputed
+  with open(os.path.join(dirs[6], local_format.MANIFEST), "wb") as f:
+    f.write(local_format.encode_manifest(body))
+  with ec.CheckpointManager(options, mesh=mesh) as mngr:
+    got = mngr.restore(_abstract(tree))
+    assert got.step == 4, (got.step, got.source)
+    assert not os.path.exists(dirs[6]), os.listdir(os.path.dirname(dirs[6]))
+    assert os.path.exists(dirs[4])

@@ -247,7 +247,9 @@ class Restorer:
         damaged = True
         continue
       logger.info("%s restored step %d from %s", topo.log_prefix(), plan.step, source)
-      self._discard_newer(plan.step, {c.step for c in cands}, job.state_uncommitted)
+      # Candidates come newest first: every newer one was tried and rejected.
+      kept = {c.step for c in cands if c.step <= plan.step}
+      self._discard_newer(plan.step, kept, job.state_uncommitted)
       return RestoreResult(plan.step, state, loaded.data_state, source), tried
     if damaged:  # nothing left, and a persistent step was damaged: say which leaf
       raise CorruptCheckpointError(
@@ -281,8 +283,9 @@ class Restorer:
   def _discard_newer(self, restored: int, restorable: set[int], uncommitted: Sequence[int]) -> None:
     """Training resumes at restored + 1 and will save those steps again: what
     a crashed run left of unrestorable newer steps (a local copy, a JSON
-    without COMMIT) must not mix with the new saves. Restorable steps are
-    kept. Each process deletes its own local copies (nobody else writes
+    without COMMIT; a committed step the restore tried and rejected too)
+    must not mix with the new saves. `restorable` (no step newer than
+    `restored`) is kept. Each process deletes its own local copies (nobody else writes
     there); the primary deletes the newer state folders without COMMIT that
     the inventory listed (`uncommitted`, the job summary's: no second
     listing), and then only, a barrier, so that no process saves a JSON
