@@ -247,9 +247,7 @@ class Restorer:
         damaged = True
         continue
       logger.info("%s restored step %d from %s", topo.log_prefix(), plan.step, source)
-      # Candidates come newest first: every newer one was tried and rejected.
-      kept = {c.step for c in cands if c.step <= plan.step}
-      self._discard_newer(plan.step, kept, job.state_uncommitted)
+      self._discard_newer(plan.step, job.state_uncommitted)
       return RestoreResult(plan.step, state, loaded.data_state, source), tried
     if damaged:  # nothing left, and a persistent step was damaged: say which leaf
       raise CorruptCheckpointError(
@@ -280,20 +278,21 @@ class Restorer:
       " scratch, or point the options at the run's directories."
     )
 
-  def _discard_newer(self, restored: int, restorable: set[int], uncommitted: Sequence[int]) -> None:
+  def _discard_newer(self, restored: int, uncommitted: Sequence[int]) -> None:
     """Training resumes at restored + 1 and will save those steps again: what
-    a crashed run left of unrestorable newer steps (a local copy, a JSON
-    without COMMIT; a committed step the restore tried and rejected too)
-    must not mix with the new saves. `restorable` (no step newer than
-    `restored`) is kept. Each process deletes its own local copies (nobody else writes
-    there); the primary deletes the newer state folders without COMMIT that
-    the inventory listed (`uncommitted`, the job summary's: no second
-    listing), and then only, a barrier, so that no process saves a JSON
-    into a folder being deleted. The same decision on every process."""
+    a crashed run left of newer steps (a local copy, a JSON without COMMIT)
+    must not mix with the new saves. None of them is restorable: candidates
+    are tried newest first, so every newer one was tried and rejected (or,
+    with restore(step=...), is not wanted). Each process deletes its own
+    local copies (nobody else writes there); the primary deletes the newer
+    state folders without COMMIT that the inventory listed (`uncommitted`,
+    the job summary's: no second listing), and then only, a barrier, so that
+    no process saves a JSON into a folder being deleted. The same decision
+    on every process."""
     for step in self._local.held_steps():
-      if step > restored and step not in restorable:
+      if step > restored:
         self._local.delete(step)
-    self._local.drop_newer_leftovers(restored, restorable)  # damaged ones too
+    self._local.drop_newer_leftovers(restored, ())  # damaged ones too
     doomed = [s for s in uncommitted if s > restored]
     if not doomed:
       return
