@@ -112,6 +112,20 @@ def local_retention_after_commit(args: dict) -> dict:
   return out
 
 
+def local_retention_at_close(args: dict) -> dict:
+  """max_to_keep=1: saves steps 1..3 back to back and closes at once (the
+  primary's commit of step 3 may lag: a failpoint there); returns this
+  process's ramdisk listing after close()."""
+  mesh = mesh_for(args["slices"])
+  base = options(args)
+  opts = dataclasses.replace(base, local=dataclasses.replace(base.local, max_to_keep=1))
+  with ec.CheckpointManager(opts, mesh=mesh) as mngr:
+    for step in (1, 2, 3):
+      mngr.save(step, make_state(mesh, step), data_state(step))
+    directory = mngr.local_directory
+  return {"local_steps": _local_listing(directory)}
+
+
 def placement_job(args: dict) -> dict:
   """Two managers in turn: default host ids (this machine's, shared by
   every process), then one named host per process."""

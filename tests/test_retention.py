@@ -210,7 +210,10 @@ def test_local_plan_keep_best_counts_only_given_metrics():
 @pytest.mark.parametrize(
   "steps, committed, rules, want",
   [
-    ([10, 20, 30, 40, 50], {10, 20, 30}, Rules(max_to_keep=0), {30, 40, 50}),
+    # newer than the newest restorable: at most max_to_keep + 1 kept
+    ([10, 20, 30, 40, 50], {10, 20, 30}, Rules(max_to_keep=0), {30, 50}),
+    (range(10, 80, 10), {10}, Rules(max_to_keep=2), {10, 50, 60, 70}),
+    (range(10, 80, 10), {10}, Rules(max_to_keep=None), set(range(10, 80, 10))),
     ([10, 20, 30], {10, 20, 30}, Rules(max_to_keep=1), {30}),
     ([10, 20, 30], {5, 40}, Rules(max_to_keep=0), {10, 20, 30}),  # none restorable
     ([10, 20, 30], set(), Rules(max_to_keep=0), {10, 20, 30}),

@@ -83,3 +83,26 @@ def test_every_process_drops_the_older_step_once_the_newer_one_commits(shm_dir):
   for r in results:
     assert r["local_steps"] == [3], results
     assert r["all_steps"][-1] == 3, results
+
+
+def test_a_clean_close_leaves_the_ramdisk_as_retention_says(shm_dir):
+  """max_to_keep=1 on 2 slices of 1 process, three saves and close() at
+  once, the primary's commit of step 3 held back 1.5 s: process 1's last
+  pass ran before that commit, and nothing ran one after it, so it closed
+  holding steps 2 and 3 (the soak's "after the job" retention finding).
+  close() now waits (at most 5 s) for the newest step's commit and runs one
+  last pass: every ramdisk holds step 3 alone."""
+  args = {
+    "slices": 2,
+    "local_root": os.path.join(shm_dir, "local"),
+    "persistent": os.path.join(shm_dir, "persistent"),
+  }
+  results = run_job(
+    "tests.retention_scenarios:local_retention_at_close",
+    2,
+    args,
+    env={0: {"EC_FAILPOINTS": "state.before_commit@3:sleep1.5"}},
+    timeout_s=120,
+  ).check()
+  for r in results:
+    assert r["local_steps"] == [3], results

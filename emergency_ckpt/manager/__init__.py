@@ -276,6 +276,11 @@ class CheckpointManager:
     step, then nothing more (every slice intact), one cross-slice transfer
     (a slice lost its copy) or a persistent read (no slice has it). Then
     it prepares the next save's staging buffer in the background.
+    Training goes on from the restored step, so what is held of newer steps
+    and cannot be restored (local copies, persistent tensors without
+    committed state or found damaged, state without COMMIT) is deleted
+    before it returns; with `step`, newer local copies too, while newer
+    restorable persistent steps stay.
 
     Args:
       abstract_state: the train state's tree of jax.ShapeDtypeStruct, with
@@ -428,6 +433,7 @@ class CheckpointManager:
         self._parts.wait_idle()
       else:
         self.wait_until_finished(timeout_s)
+        self._parts.retainer.finish()  # the ramdisk left as retention says
     except PendingWorkTimeoutError:
       abandon = True
       raise

@@ -39,7 +39,7 @@ from emergency_ckpt.cluster.topology import Topology
 from emergency_ckpt.core import compat, failpoints, gcs_retry, layout, placement
 from emergency_ckpt.core import shards as shards_lib
 from emergency_ckpt.core.storage import check_bucket
-from emergency_ckpt.errors import CollectiveTimeoutError
+from emergency_ckpt.errors import CollectiveTimeoutError, StepAlreadyExistsError
 from emergency_ckpt.options import PersistentTierOptions
 from emergency_ckpt.persistent import orbax_manager
 from emergency_ckpt.persistent import read as persistent_read
@@ -163,8 +163,18 @@ class PersistentTier(UploadInFlight):
     self.open()
     self._saving_step = step  # before save: the finalize callback reads it
     self._upload_step, self._upload_started = step, time.monotonic()
+    ocp = orbax()
     try:
-      self._manager.save(step, args=orbax().args.PyTreeSave(tree))
+      # force: the manager's cadence decides; without it Orbax silently skips
+      # any step not newer than the newest one in the folder
+      self._manager.save(step, args=ocp.args.PyTreeSave(tree), force=True)
+    except ocp.checkpoint_manager.StepAlreadyExistsError as e:
+      raise StepAlreadyExistsError(
+        f"step {step} is already in the persistent tier at {self.directory}: a step of an"
+        " earlier run, never overwritten (restore() removes the steps newer than the one it"
+        " restored; a run started without restore() does not). This step is not uploaded;"
+        f" delete the folder of step {step} there, or resume with restore()."
+      ) from e
     except Exception as e:  # Orbax re-raises the previous upload's error here too
       raise self._translate(e) from e
     failpoints.hit("persistent.after_save_call", step)

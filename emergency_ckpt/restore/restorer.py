@@ -23,7 +23,7 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -104,6 +104,7 @@ class Restorer:
     self._state = state
     self._staging = staging
     self._orbax_start = orbax_start
+    self._persistent = persistent
     self._sources = Sources(ctx, local=local, persistent=persistent, state=state)
 
   def restore(
@@ -247,7 +248,7 @@ class Restorer:
         damaged = True
         continue
       logger.info("%s restored step %d from %s", topo.log_prefix(), plan.step, source)
-      self._discard_newer(plan.step, job.state_uncommitted)
+      self._discard_newer(plan.step, job, wanted=step)
       return RestoreResult(plan.step, state, loaded.data_state, source), tried
     if damaged:  # nothing left, and a persistent step was damaged: say which leaf
       raise CorruptCheckpointError(
@@ -278,25 +279,42 @@ class Restorer:
       " scratch, or point the options at the run's directories."
     )
 
-  def _discard_newer(self, restored: int, uncommitted: Sequence[int]) -> None:
+  def _discard_newer(
+    self, restored: int, job: restore_summary.JobInventory, *, wanted: int | None
+  ) -> None:
     """Training resumes at restored + 1 and will save those steps again: what
-    a crashed run left of newer steps (a local copy, a JSON without COMMIT)
-    must not mix with the new saves. None of them is restorable: candidates
-    are tried newest first, so every newer one was tried and rejected (or,
-    with restore(step=...), is not wanted). Each process deletes its own
-    local copies (nobody else writes there); the primary deletes the newer
-    state folders without COMMIT that the inventory listed (`uncommitted`,
-    the job summary's: no second listing), and then only, a barrier, so that
-    no process saves a JSON into a folder being deleted. The same decision
-    on every process."""
+    a crashed run left of newer steps (a local copy, a JSON without COMMIT,
+    persistent tensors no restore can use) must not mix with the new saves.
+    Restoring the newest step (`wanted` None), every newer candidate was
+    tried and rejected (candidates come newest first), so every newer
+    persistent step goes; restoring `wanted`, the newer persistent steps
+    with committed state stay (restore(step=...) also serves evaluation;
+    saving such a step again is refused by name). Each process deletes its
+    own local copies (nobody else writes there); the primary deletes the
+    persistent steps and the state folders without COMMIT that the
+    inventory listed (the job summary's: no second listing), and then only,
+    a barrier, so that no process saves into a folder being deleted. The
+    same decision on every process."""
     for step in self._local.held_steps():
       if step > restored:
         self._local.delete(step)
     self._local.drop_newer_leftovers(restored, ())  # damaged ones too
-    doomed = [s for s in uncommitted if s > restored]
-    if not doomed:
+    doomed = [s for s in job.state_uncommitted if s > restored]
+    committed = set(job.state_steps) if wanted is not None else set()
+    tensors = [s for s in job.persistent_steps if s > restored and s not in committed]
+    if not doomed and not tensors:
       return
     if self._ctx.topology.is_primary_process:
+      if tensors:
+        logger.warning(
+          "%s deleting persistent steps %s, newer than the restored step %d and not"
+          " restorable: training saves them again",
+          self._ctx.topology.log_prefix(),
+          tensors,
+          restored,
+        )
+      for step in tensors:
+        self._persistent.delete(step)
       for step in doomed:
         self._state.delete(step)
     self._ctx.collectives.barrier(f"restore_discard_{restored}")

@@ -80,6 +80,8 @@ class PersistentSource(Protocol):
     on_ready: Callable[[int, Any], None] | None = None,
   ) -> tuple[shards_lib.Layout, Any]: ...
 
+  def delete(self, step: int) -> None: ...
+
 
 class StateSource(Protocol):
   """The state store, as the inventory and the restorer use it. Each method is the

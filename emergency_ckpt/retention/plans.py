@@ -10,8 +10,8 @@ a protection holds it. Protections, whatever the rules say:
   on its way); no held step committed yet: nothing is deleted. Without a
   state store at all (gc given none): the newest step.
 - persistent tier: the newest restorable step (finalized tensors AND
-  committed state) and every newer step (its commit may be on its way); none
-  restorable yet: nothing is deleted.
+  committed state) and up to `max_to_keep` + 1 newer steps (their commits
+  may be on their way); none restorable yet: nothing is deleted.
 - state store: the state of every persistent step and of every local step
   kept, the newest commit and every newer step (none committed yet: every
   step), every step saved to the persistent tier (a persistent-interval
@@ -118,8 +118,9 @@ def persistent_plan(
   """Persistent (tensor) steps to keep and delete.
 
   Protected: the newest restorable step (finalized tensors and committed
-  state) and every newer step; none restorable yet: every step. Called by:
-  the primary process (manager), gc.
+  state) and the `max_to_keep` + 1 newest steps newer than it (their state
+  commit may be in flight; every one without max_to_keep); none restorable
+  yet: every step. Called by: the primary process (manager), gc.
 
   Args:
     steps: the finalized tensor steps.
@@ -140,11 +141,14 @@ def persistent_plan(
     protected = dict.fromkeys(steps, why)
   else:
     newest = restorable[-1]
-    protected = {
-      s: "newer than the newest restorable step (state commit may be in flight)"
-      for s in steps
-      if s > newest
-    }
+    newer = [s for s in steps if s > newest]
+    # their commits may be in flight, but only so many: a state store that
+    # cannot commit must not fill the bucket (as local_plan)
+    if rules.max_to_keep is not None:
+      newer = newer[max(0, len(newer) - (rules.max_to_keep + 1)) :]
+    protected = dict.fromkeys(
+      newer, "newer than the newest restorable step (state commit may be in flight)"
+    )
     protected[newest] = "newest restorable (finalized tensors + committed state)"
   return explain(steps, rules, metrics=metrics, protected=protected)
 

@@ -27,6 +27,11 @@ from emergency_ckpt.runtime.background import Background
 logger = logging.getLogger("emergency_ckpt")
 
 
+FINAL_COMMIT_WAIT_S = 5.0
+"""How long a clean close waits for the commit of the newest step this
+process wrote before its last local retention pass (Retainer.finish)."""
+
+
 class Retainer:
   """Retention of one process's local copies (every process) and of the
   state store and persistent tier (the primary process).
@@ -281,6 +286,31 @@ class Retainer:
     self.state()
     if step in self._records.persistent_final:
       self.persistent()
+
+  def finish(self, timeout_s: float = FINAL_COMMIT_WAIT_S) -> None:
+    """One last local pass once every save is durable (a clean close).
+
+    A process that lagged the primary's commits still holds steps that only
+    those commits make droppable, and no later save runs a pass for them. A
+    process other than the primary first waits for the commit of the newest
+    step it wrote (the primary's wait_until_finished() waits for it).
+    Called by: every process, from CheckpointManager.close() after
+    wait_until_finished() returned. Blocks on that wait (at most
+    `timeout_s`) and the pass.
+
+    Args:
+      timeout_s: the longest wait for the commit signal.
+    """
+    with self._lock:
+      step = self._written
+    if step is None or not self.over_budget():
+      return
+    if not self._topology.is_primary_process:
+      self._collectives.wait_signal(
+        f"committed_{step}", timeout_s=timeout_s, stop=threading.Event(), poll_s=0.5
+      )
+    self._background.try_submit("retention", self.local)
+    self._background.flush("retention")
 
   def close(self) -> None:
     """Ends a commit watch still waiting (within its 0.5 s poll)."""

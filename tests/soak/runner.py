@@ -671,7 +671,9 @@ class Soak:
     restorable = finalized & listing.committed
     newest = max(restorable) if restorable else None
     above = sorted(s for s in finalized if newest is None or s > newest)
-    if len(finalized) > c.persistent_keep + 1 + len(above) or len(above) > 2:
+    # retention keeps the newest restorable step, max_to_keep - 1 older and at
+    # most max_to_keep + 1 newer ones (their commits may be in flight)
+    if len(finalized) > c.persistent_keep + 1 + len(above) or len(above) > c.persistent_keep + 1:
       found.append(
         f"the bucket holds finalized steps {sorted(finalized)} (persistent.max_to_keep="
         f"{c.persistent_keep}, committed {sorted(listing.committed)})"

@@ -1,0 +1,98 @@
+"""A run that restarts below persistent steps it left behind: the steps it saves
+again reach the bucket, with the new run's values, never the old run's.
+
+A crash between a persistent step's finalize and its state COMMIT leaves
+finalized tensors that no restore can use. Training resumes below them and
+saves those step numbers again; Orbax skips any step not newer than the
+newest in its folder, and refuses one that exists. Real Orbax on a real
+tmpfs, one process.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import emergency_ckpt as ec
+from emergency_ckpt.errors import StepAlreadyExistsError
+from emergency_ckpt.persistent.layout import list_steps
+
+
+def _tree(mesh, value: float) -> dict:
+  return {
+    "w": jax.device_put(jnp.arange(64.0) + value, NamedSharding(mesh, P("data"))),
+    "b": jax.device_put(jnp.full((3,), value), NamedSharding(mesh, P())),
+  }
+
+
+def _abstract(tree):
+  return jax.tree_util.tree_map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree
+  )
+
+
+def _remove_commit(options, step: int) -> None:
+  """The crash: the step's tensors finalized, its state never committed."""
+  root = os.fspath(options.persistent.directory)
+  found = [
+    os.path.join(d, "COMMIT")
+    for d, _, files in os.walk(root)
+    if "COMMIT" in files and os.path.basename(d) == str(step) and "state" in d
+  ]
+  assert len(found) == 1, found
+  os.remove(found[0])
+
+
+def _tensors(options):
+  return os.path.join(os.fspath(options.persistent.directory), "tensors")
+
+
+def test_restore_below_left_over_persistent_steps_lets_them_be_saved_again(options, mesh):
+  old = _tree(mesh, 1.0)
+  with ec.CheckpointManager(options, mesh=mesh) as mngr:
+    for step in (2, 4, 6, 8):
+      mngr.save(step, old)
+      mngr.wait_until_finished()  # no persistent step skipped behind an upload
+  assert list_steps(_tensors(options)) == [4, 8]
+  _remove_commit(options, 8)
+
+  new = _tree(mesh, 100.0)
+  with ec.CheckpointManager(options, mesh=mesh) as mngr:
+    got = mngr.restore(_abstract(old))
+    assert got.step == 6, (got.step, got.source)
+    # not restorable, and the new run saves step 8 again: gone before it does
+    assert list_steps(_tensors(options)) == [4]
+    mngr.save(8, new)
+    mngr.wait_until_finished()
+    assert mngr.health()["persistent"].ok, mngr.health()["persistent"].problems()
+  assert list_steps(_tensors(options)) == [4, 8]
+
+  # the ramdisk lost: step 8 comes from the bucket, with the new run's values
+  for name in os.listdir(options.local.directory):
+    os.system(f"rm -rf {os.path.join(options.local.directory, name)!r}")
+  with ec.CheckpointManager(options, mesh=mesh) as mngr:
+    got = mngr.restore(_abstract(new))
+  assert (got.step, got.source) == (8, "persistent")
+  for k in new:
+    np.testing.assert_array_equal(np.asarray(got.state[k]), np.asarray(new[k]))
+
+
+def test_a_step_already_in_the_bucket_is_refused_by_name(options, mesh):
+  """Without a restore (a fresh start over an old run's bucket), a step that
+  exists is not overwritten and never silently skipped: the upload fails
+  with a typed error naming the step, and training goes on."""
+  tree = _tree(mesh, 1.0)
+  with ec.CheckpointManager(options, mesh=mesh) as mngr:
+    mngr.save(4, tree)
+    mngr.wait_until_finished()
+  _remove_commit(options, 4)
+  with ec.CheckpointManager(options, mesh=mesh) as mngr:
+    mngr.save(4, _tree(mesh, 2.0))  # returns: a sick tier never stops training
+    with pytest.raises(StepAlreadyExistsError, match="step 4 is already in the persistent"):
+      mngr.wait_until_finished()
