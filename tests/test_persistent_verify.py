@@ -29,7 +29,7 @@ def test_random_bit_flips_in_persistent_data_are_never_loaded(shm_dir, capsys, f
     "seed": 17,
   }
   run_job("tests.verify_scenarios:save", 2, args, timeout_s=300).check()
-  clean = os.path.join(shm_dir, "clean")
+  clean = args["clean"] = os.path.join(shm_dir, "clean")
   shutil.copytree(args["persistent"], clean)
   # Restored by new processes, as after a restart (the saving processes
   # would hold nothing the reads could reuse anyway: each read opens fresh).

@@ -229,9 +229,16 @@ def test_local_plan_keep_best_counts_only_given_metrics():
 )
 def test_persistent_plan(steps, committed, rules, want):
   metrics = {s: {"l": 0.1 if s == 20 else 1.0} for s in committed}
-  plan = persistent_plan(steps, rules, committed=committed, metrics=metrics)
+  plan = persistent_plan(steps, rules, committed=committed, metrics=metrics, capped=True)
   check_plan(plan, steps)
   assert plan.keep == want
+
+
+def test_persistent_plan_uncapped_keeps_every_newer_step():
+  """gc's plan: beside a running job it cannot tell a commit backlog from
+  a stopped one, so every step newer than the newest restorable one stays."""
+  plan = persistent_plan(range(10, 80, 10), Rules(max_to_keep=2), committed={10})
+  assert plan.keep == set(range(10, 80, 10))
 
 
 def test_persistent_plan_reasons():

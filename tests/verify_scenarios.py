@@ -186,6 +186,18 @@ def _restore(mngr, mesh) -> dict[str, Any]:
     return {"error": type(e).__name__, "message": str(e)[:2000]}
 
 
+def _put_back(args: dict, step: int, path: str, offset: int, mask: int) -> None:
+  """The pristine step again: unflipped where it stays (the restore read it
+  whole or never reached the flip), else copied back from the saved job's
+  copy (a restore that skipped the step deleted it: training saves it
+  again)."""
+  if os.path.exists(path):
+    _flip(path, offset, mask)
+    return
+  where = os.path.join("tensors", str(step))
+  shutil.copytree(os.path.join(args["clean"], where), os.path.join(args["persistent"], where))
+
+
 def flips(args: dict) -> dict[str, Any]:
   """After save() saved args['steps'] (persistent every
   args['persistent_interval']) in another job: loses every ramdisk, then args['flips'] times: process 0 flips one random
@@ -213,17 +225,19 @@ def flips(args: dict) -> dict[str, Any]:
       mask = 1 << rng.randrange(8)
       if me == 0:
         _flip(files[k], offset, mask)
-      barrier(f"flipped-{i}")
-      rec = _restore(mngr, mesh)
+      plain_wrong = None
       if me == 0:
-        rec["plain_wrong"] = plain_read_wrong(
+        plain_wrong = plain_read_wrong(
           os.path.join(persistent, "tensors", str(newest), "default"), newest
         )
+      barrier(f"flipped-{i}")
+      rec = _restore(mngr, mesh)
+      rec["plain_wrong"] = plain_wrong
       rec["where"] = f"{os.path.relpath(files[k], persistent)}@{offset}^{mask}"
       out["flips"].append(rec)
       barrier(f"restored-{i}")
       if me == 0:
-        _flip(files[k], offset, mask)  # back to the pristine bytes
+        _put_back(args, newest, files[k], offset, mask)
       barrier(f"unflipped-{i}")
     if me == 0:
       _flip_16_each(persistent, newest)

@@ -10,8 +10,9 @@ a protection holds it. Protections, whatever the rules say:
   on its way); no held step committed yet: nothing is deleted. Without a
   state store at all (gc given none): the newest step.
 - persistent tier: the newest restorable step (finalized tensors AND
-  committed state) and up to `max_to_keep` + 1 newer steps (their commits
-  may be on their way); none restorable yet: nothing is deleted.
+  committed state) and the newer steps (their commits may be on their way;
+  the manager's at most `max_to_keep` + 1); none restorable yet: nothing
+  is deleted.
 - state store: the state of every persistent step and of every local step
   kept, the newest commit and every newer step (none committed yet: every
   step), every step saved to the persistent tier (a persistent-interval
@@ -114,21 +115,24 @@ def persistent_plan(
   *,
   committed: Collection[int],
   metrics: Metrics | None = None,
+  capped: bool = False,
 ) -> Plan:
   """Persistent (tensor) steps to keep and delete.
 
   Protected: the newest restorable step (finalized tensors and committed
-  state) and the `max_to_keep` + 1 newest steps newer than it (their state
-  commit may be in flight; every one without max_to_keep); none restorable
-  yet: every step. Called by: the primary process (manager), gc.
+  state) and every newer step (their state commit may be in flight), or
+  with `capped` the `max_to_keep` + 1 newest of them; none restorable yet:
+  every step. Called by: the primary process (manager, capped: a state
+  store that cannot commit must not fill the bucket), gc (not capped: run
+  beside a job, it cannot tell a commit backlog from a stopped one).
 
   Args:
     steps: the finalized tensor steps.
     rules: the persistent tier's rules.
     committed: the state store's committed steps.
     metrics: {step: {metric name: value}} for keep_best.
-    claimed: the steps whose state file this process wrote, not known
-      committed yet (retention/claims.py); the manager's only.
+    capped: at most `rules.max_to_keep` + 1 steps newer than the newest
+      restorable one are protected.
 
   Returns:
     The plan, with a reason per step.
@@ -144,7 +148,7 @@ def persistent_plan(
     newer = [s for s in steps if s > newest]
     # their commits may be in flight, but only so many: a state store that
     # cannot commit must not fill the bucket (as local_plan)
-    if rules.max_to_keep is not None:
+    if capped and rules.max_to_keep is not None:
       newer = newer[max(0, len(newer) - (rules.max_to_keep + 1)) :]
     protected = dict.fromkeys(
       newer, "newer than the newest restorable step (state commit may be in flight)"

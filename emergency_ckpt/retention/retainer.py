@@ -193,6 +193,7 @@ class Retainer:
       Rules.for_tier(self._options, "persistent"),
       committed=committed,
       metrics=self.metrics_of(committed),
+      capped=True,
     )
     for step in sorted(plan.delete):
       logger.info("%s retention deletes persistent step %d", self._topology.log_prefix(), step)

@@ -411,7 +411,9 @@ class Soak:
       job = launcher.run_job(
         "tests.soak.job:soak_round",
         n,
-        self._args(plan),
+        # each process's save/restore records beside its log (a restore's
+        # rejected candidates and why: what a finding needs explained)
+        dict(self._args(plan), event_log=os.path.join(out_dir, "events_{process}.jsonl")),
         timeout_s=JOB_TIMEOUT_S,
         env=env,
         out_dir=out_dir,
