@@ -96,3 +96,28 @@ def test_a_step_already_in_the_bucket_is_refused_by_name(options, mesh):
     mngr.save(4, _tree(mesh, 2.0))  # returns: a sick tier never stops training
     with pytest.raises(StepAlreadyExistsError, match="step 4 is already in the persistent"):
       mngr.wait_until_finished()
+
+
+def test_a_restart_applies_persistent_retention_a_killed_run_left_undone(options, mesh):
+  """A run killed before its last retention passes leaves more persistent
+  steps than the rules keep; the restart's restore queues a pass, so they
+  go without waiting for the next upload (the soak's "persistent
+  retention" finding after killed rounds)."""
+  import dataclasses  # noqa: PLC0415
+
+  keep_all = dataclasses.replace(
+    options, persistent=dataclasses.replace(options.persistent, max_to_keep=None)
+  )
+  tree = _tree(mesh, 1.0)
+  with ec.CheckpointManager(keep_all, mesh=mesh) as mngr:
+    for step in (4, 8, 12):
+      mngr.save(step, tree)
+      mngr.wait_until_finished()
+  assert list_steps(_tensors(options)) == [4, 8, 12]
+  keep_one = dataclasses.replace(
+    options, persistent=dataclasses.replace(options.persistent, max_to_keep=1)
+  )
+  with ec.CheckpointManager(keep_one, mesh=mesh) as mngr:
+    assert mngr.restore(_abstract(tree)).step == 12
+    mngr.wait_until_finished()
+    assert list_steps(_tensors(options)) == [12]

@@ -326,6 +326,7 @@ class CheckpointManager:
       finally:  # every process, all up: Orbax's set-up barrier starts off the restore path
         parts.orbax.start()
       self._last_step = got.step
+      parts.retainer.after_restore()  # what a killed run's last passes left
       result = parts.restorer.with_data_state(got, data_state, data_state_remap)
     finally:
       self._goodput.restored(t0, ok=result is not None)

@@ -199,6 +199,25 @@ class Retainer:
       logger.info("%s retention deletes persistent step %d", self._topology.log_prefix(), step)
       self._persistent.delete(step)
 
+  def after_restore(self) -> None:
+    """Primary process: queues one persistent retention pass on the commit
+    lane. A job killed before its last passes ran leaves more persistent
+    steps than the rules keep, and otherwise only a later upload's finalize
+    or commit would run one. Called by: every process, after a restore
+    (the others do nothing). Blocks on nothing; a failing pass is logged."""
+    if not self._topology.is_primary_process:
+      return
+
+    def run() -> None:
+      try:
+        self.persistent()
+      except Exception as e:  # noqa: BLE001 - the next upload's pass tries again
+        logger.warning(
+          "%s persistent retention after the restore failed: %s", self._topology.log_prefix(), e
+        )
+
+    self._background.try_submit("commit", run)
+
   # ---- scheduling ------------------------------------------------------------
   def after_local_write(self, step: int) -> None:
     """Queues local retention after this process's local write of a step.
