@@ -10,7 +10,9 @@ tmpfs, one process.
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -74,8 +76,7 @@ def test_restore_below_left_over_persistent_steps_lets_them_be_saved_again(optio
   assert list_steps(_tensors(options)) == [4, 8]
 
   # the ramdisk lost: step 8 comes from the bucket, with the new run's values
-  for name in os.listdir(options.local.directory):
-    os.system(f"rm -rf {os.path.join(options.local.directory, name)!r}")
+  shutil.rmtree(options.local.directory)
   with ec.CheckpointManager(options, mesh=mesh) as mngr:
     got = mngr.restore(_abstract(new))
   assert (got.step, got.source) == (8, "persistent")
@@ -103,8 +104,6 @@ def test_a_restart_applies_persistent_retention_a_killed_run_left_undone(options
   steps than the rules keep; the restart's restore queues a pass, so they
   go without waiting for the next upload (the soak's "persistent
   retention" finding after killed rounds)."""
-  import dataclasses  # noqa: PLC0415
-
   keep_all = dataclasses.replace(
     options, persistent=dataclasses.replace(options.persistent, max_to_keep=None)
   )
