@@ -415,7 +415,10 @@ class CheckpointManager:
     (never restored; Orbax's next start removes a partial upload).
 
     Called by: every process. Blocks on wait_until_finished() (after a
-    failure, on this process's local writes only).
+    failure, on this process's local writes only), then with
+    local.redundancy on one barrier of its slice (the others' last sends
+    to this process's receiver; at most collective_timeout_s, then a
+    warning), all within `timeout_s`.
 
     Args:
       timeout_s: the longest wait in seconds; None for the options' default.
@@ -429,16 +432,21 @@ class CheckpointManager:
     if self._closed:
       return
     abandon = False
+    limit = self._options.finish_timeout_s if timeout_s is None else timeout_s
+    t0 = time.monotonic()
     try:
       if self._background.failed:
         self._parts.wait_idle()
       else:
-        self.wait_until_finished(timeout_s)
+        self.wait_until_finished(limit)
         self._parts.retainer.finish()  # the ramdisk left as retention says
     except PendingWorkTimeoutError:
       abandon = True
       raise
     finally:
+      if not abandon:  # the peers' last sends to this process's receiver, before it closes
+        left = None if limit is None else limit - (time.monotonic() - t0)
+        self._parts.settle_links(left)
       self._closed = True
       self._goodput.close()
       self._parts.close(abandon=abandon)

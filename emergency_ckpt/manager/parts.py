@@ -37,7 +37,12 @@ from emergency_ckpt.core import layout
 from emergency_ckpt.core.health import Health, HealthTracker
 from emergency_ckpt.core.records import StepRecords
 from emergency_ckpt.core.telemetry import EventLog
-from emergency_ckpt.errors import InvalidOptionsError, PendingWorkTimeoutError, ProtectedStepError
+from emergency_ckpt.errors import (
+  CollectiveTimeoutError,
+  InvalidOptionsError,
+  PendingWorkTimeoutError,
+  ProtectedStepError,
+)
 from emergency_ckpt.local.tier import LocalTier
 from emergency_ckpt.persistent import layout as persistent_layout
 from emergency_ckpt.persistent.orbax_loader import OrbaxLoader
@@ -364,6 +369,39 @@ class Parts:
       + (f" The persistent tier's last error: {p.last_error}." if p.last_error else "")
       + " Check the bucket; raise the timeout (finish_timeout_s) if it is only slow."
     )
+
+  def settle_links(self, timeout_s: float | None) -> None:
+    """Keeps this process's redundancy receiver open until every process of
+    its slice is done sending: a process that closed first would refuse its
+    sender's last step (sent after this process's own wait returned), and
+    that step would never commit. Called by: every process of a slice with
+    local.redundancy, from CheckpointManager.close() once its own saves are
+    done (or failed). Blocks on one barrier of the slice (2 calls), at most
+    `timeout_s` (None: collective_timeout_s); past it, a warning naming the
+    processes that did not arrive, and close goes on.
+
+    Args:
+      timeout_s: the longest wait in seconds.
+    """
+    if self.redundancy is None:
+      return
+    topo, options = self.ctx.topology, self.ctx.options
+    limit = options.collective_timeout_s if timeout_s is None else timeout_s
+    try:
+      self.ctx.collectives.barrier(
+        f"redundancy_closing_{topo.slice_index}",
+        processes=topo.slice_processes[topo.slice_index],
+        timeout_s=max(0.0, min(limit, options.collective_timeout_s)),
+      )
+    except CollectiveTimeoutError as e:
+      logger.warning(
+        "%s closing the %s receiver before every process of slice %d is done sending"
+        " (their last step may not commit): %s",
+        topo.log_prefix(),
+        options.local.redundancy,
+        topo.slice_index,
+        e,
+      )
 
   def close(self, *, abandon: bool = False) -> None:
     """Releases every part, lanes first. Called by: every process, once,
