@@ -39,6 +39,7 @@ FAULT_TESTS = [
   "tests/test_elastic_reshard.py",
   "tests/test_partner_redundancy.py",
   "tests/test_xor_redundancy.py",
+  "tests/test_redundancy_close.py",
   "tests/test_tier_outage.py",
   "tests/test_peer_stalls.py",
   "tests/test_bounded_wait.py",
@@ -383,6 +384,15 @@ SCENARIOS: list[Scenario] = [
     "step 5 (the newest) restored bit-exactly, process 1 from its partner's copy on host 2,"
     " no persistent read",
   ),
+  *[
+    _s(
+      f"redundancy.{scheme}_close_lagging",
+      f"1 slice x 4 processes, local.redundancy={scheme}: process 0 lags 3 s (its state"
+      " write of step 4), so the others close their managers before it sends step 5",
+      "step 5 (the last) commits: every receiver stays open until its slice is done sending",
+    )
+    for scheme in ("partner", "xor")
+  ],
   _s(
     "redundancy.partner_damaged",
     "as above, plus one bit flipped in the partner's copy of step 5",
