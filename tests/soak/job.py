@@ -106,15 +106,23 @@ SETTLE_S = 3.0
 """The longest wait at the quiet point for the retention a last commit allows."""
 
 
-def _settled(folders: dict, args: dict) -> bool:
-  """Whether every folder of this process holds what the runner's retention
-  check allows (files.over_budget)."""
+def _settled(folders: dict, args: dict, saved: int) -> bool:
+  """Whether every folder on this process's host holds what the runner's
+  retention checks allow after `saved` saves: its own within
+  files.over_budget, and the folders it adopted (other processes' on this
+  host) empty once `local_keep` + 2 saves made their steps droppable (the
+  pass that empties them may wait for a commit signal, like its own)."""
   own = f"process_{jax.process_index()}"
-  return not any(
-    files.over_budget(folder, ent, own, args["local_keep"])
-    for folder, ent in folders.items()
-    if folder.split("/")[0] == own
-  )
+  keep = args["local_keep"]
+  for folder, ent in folders.items():
+    if folder.split("/")[0] == own:
+      if files.over_budget(folder, ent, own, keep):
+        return False
+    elif saved >= keep + 2 and (
+      ent["steps"] or any(t.startswith(".tmp-spare-") for t in ent["tmp"])
+    ):
+      return False
+  return True
 
 
 def _train(mngr: ec.CheckpointManager, mesh, args: dict, start: int) -> None:
@@ -138,7 +146,7 @@ def _train(mngr: ec.CheckpointManager, mesh, args: dict, start: int) -> None:
       barrier(f"soak-quiet-{step}", timeout_s=args["step_barrier_s"])
       t1 = time.monotonic()
       folders = host_listing(sc.host_dir(args))
-      while not _settled(folders, args) and time.monotonic() - t1 < SETTLE_S:
+      while not _settled(folders, args, done) and time.monotonic() - t1 < SETTLE_S:
         time.sleep(0.05)
         folders = host_listing(sc.host_dir(args))
       report(
