@@ -37,12 +37,7 @@ from emergency_ckpt.core import layout
 from emergency_ckpt.core.health import Health, HealthTracker
 from emergency_ckpt.core.records import StepRecords
 from emergency_ckpt.core.telemetry import EventLog
-from emergency_ckpt.errors import (
-  CollectiveTimeoutError,
-  InvalidOptionsError,
-  PendingWorkTimeoutError,
-  ProtectedStepError,
-)
+from emergency_ckpt.errors import InvalidOptionsError, PendingWorkTimeoutError, ProtectedStepError
 from emergency_ckpt.local.tier import LocalTier
 from emergency_ckpt.persistent import layout as persistent_layout
 from emergency_ckpt.persistent.orbax_loader import OrbaxLoader
@@ -377,23 +372,26 @@ class Parts:
     that step would never commit. Called by: every process of a slice with
     local.redundancy, from CheckpointManager.close() once its own saves are
     done (or failed). Blocks on one barrier of the slice (2 calls), at most
-    `timeout_s` (None: collective_timeout_s); past it, a warning naming the
-    processes that did not arrive, and close goes on.
+    `timeout_s` and collective_timeout_s; past it, or if the coordination
+    service fails, a warning (naming the processes that did not arrive),
+    and close goes on: it never raises.
 
     Args:
-      timeout_s: the longest wait in seconds.
+      timeout_s: the longest wait in seconds (None: collective_timeout_s).
     """
     if self.redundancy is None:
       return
     topo, options = self.ctx.topology, self.ctx.options
-    limit = options.collective_timeout_s if timeout_s is None else timeout_s
+    limit = options.collective_timeout_s
+    if timeout_s is not None:
+      limit = max(0.0, min(timeout_s, limit))
     try:
       self.ctx.collectives.barrier(
         f"redundancy_closing_{topo.slice_index}",
         processes=topo.slice_processes[topo.slice_index],
-        timeout_s=max(0.0, min(limit, options.collective_timeout_s)),
+        timeout_s=limit,
       )
-    except CollectiveTimeoutError as e:
+    except Exception as e:  # noqa: BLE001 - close() releases every part whatever happens here
       logger.warning(
         "%s closing the %s receiver before every process of slice %d is done sending"
         " (their last step may not commit): %s",
