@@ -120,3 +120,34 @@ def test_a_restart_applies_persistent_retention_a_killed_run_left_undone(options
     assert mngr.restore(_abstract(tree)).step == 12
     mngr.wait_until_finished()
     assert list_steps(_tensors(options)) == [12]
+
+
+def test_a_step_deleted_while_the_upload_opens_does_not_fail_it(options, mesh, monkeypatch):
+  """A restart's restore queues a retention pass that may delete an old
+  persistent step while the first upload opens Orbax's manager, which lists
+  the steps. A step gone between that listing and a read of its metadata
+  (on GCS its folder's stat then fails) must not fail the upload: on a
+  multi-process slice that failure is one process's alone, and the others
+  wait for it in Orbax's barriers (the soak's hang, xor-1x4-gcs seed 12).
+  The deletion is simulated by the read failing as it then does."""
+  from orbax.checkpoint._src.path import step as orbax_step  # noqa: PLC0415
+
+  keep_all = dataclasses.replace(
+    options, persistent=dataclasses.replace(options.persistent, max_to_keep=None)
+  )
+  tree = _tree(mesh, 1.0)
+  with ec.CheckpointManager(keep_all, mesh=mesh) as mngr:
+    for step in (4, 8):
+      mngr.save(step, tree)
+      mngr.wait_until_finished()
+
+  def gone(self):
+    raise FileNotFoundError(f"{self.path}: deleted by retention meanwhile")
+
+  monkeypatch.setattr(orbax_step.Metadata, "commit_timestamp", property(gone))
+  with ec.CheckpointManager(keep_all, mesh=mesh) as mngr:
+    assert mngr.restore(_abstract(tree)).step == 8
+    mngr.save(12, _tree(mesh, 2.0))
+    mngr.wait_until_finished()
+    assert mngr.health()["persistent"].ok, mngr.health()["persistent"].problems()
+  assert list_steps(_tensors(options)) == [4, 8, 12]

@@ -93,6 +93,12 @@ def create(
     ),
     options=ocp.CheckpointManagerOptions(
       max_to_keep=None,  # retention is the manager's (retention/)
+      # Orbax lists the steps at creation; without this it also reads each
+      # one's metadata (falling back to a stat of its folder), and a step
+      # that retention deletes meanwhile (the pass a restart's restore
+      # queues) fails the save on this process alone, while the others
+      # wait for it in Orbax's barriers. Nothing here uses those timestamps.
+      lightweight_initialize=True,
       enable_async_checkpointing=True,
       # timeout: a hung primary-slice process fails Orbax's barriers
       # after collective_timeout_s, not Orbax's default 20 minutes.

@@ -663,12 +663,20 @@ class Soak:
         old = [s for s in ent["unmarked"] if int(s[5:]) <= q["step"] - keep - 2]
         if old:
           torn.append(f"{where}: step folders without their marker, never removed: {old}")
-    # after the job: whatever a kill can leave in flight, never an accumulation
+    # after the job: whatever a kill can leave in flight, never an accumulation.
+    # Steps above the newest commit are this job's saves whose commit was in
+    # flight (claimed: kept until they commit, retention/claims.py); as many
+    # as the state lane lagged behind the saves. Anything a job leaves behind
+    # for good sits at or below a later job's commits: counted there.
+    newest_commit = max(listing.committed, default=-1)
     for host in range(c.processes):
       per_host = files.host_listing(files.host_dir(self.local_root, host))
       for folder, ent in per_host.items():
-        if len(ent["steps"]) > keep + 4 or len(ent["tmp"]) > 3:
-          found.append(f"after the job, host_{host}/{folder}: {ent}")
+        settled = [s for s in ent["steps"] if int(s[5:]) <= newest_commit]
+        if len(settled) > keep + 4 or len(ent["tmp"]) > 3:
+          found.append(
+            f"after the job, host_{host}/{folder}: {ent} (newest commit {newest_commit})"
+          )
     finalized = listing.finalized
     restorable = finalized & listing.committed
     newest = max(restorable) if restorable else None
