@@ -164,7 +164,8 @@ SCENARIOS: list[Scenario] = [
       " for 20 s (persistent.when_busy=skip)",
       "every process trains >= 90% of its own pace during the outage and no save() waits for"
       " the bucket; health() and `emergency-ckpt report` name the skipped steps and the"
-      " outage; a step saved after the outage reaches the bucket",
+      " outage; a step saved after the outage reaches the bucket; each process's ramdisk"
+      " folder holds at most its budget of steps (local retention never waits on the bucket)",
     )
     for kind, how in (
       ("hang", "holds every request (no answer)"),

@@ -9,6 +9,7 @@ outage window); the test judges them.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any
@@ -51,6 +52,15 @@ def _big(mesh, step: int, mib: int):
   return jax.make_array_from_callback((n,), NamedSharding(mesh, P("data")), lambda i: values[i])
 
 
+def _local_steps(args: dict) -> int:
+  """How many step folders this process's own ramdisk folder holds now."""
+  own = os.path.join(sc.host_dir(args), args.get("run_id", "test-run"), f"process_{sc.pid()}")
+  try:
+    return sum(1 for name in os.listdir(own) if name.startswith("step_"))
+  except FileNotFoundError:
+    return 0
+
+
 def train_through_outage(args: dict) -> dict[str, Any]:
   """Trains steps 1..args['steps'] at args['step_s'] seconds per step (the
   train step is a sleep: a step takes max(step_s, its own work)), saving
@@ -85,7 +95,15 @@ def train_through_outage(args: dict) -> dict[str, Any]:
       save_s = time.monotonic() - t0
       persistent = step % args["persistent_interval"] == 0
       time.sleep(max(0.0, args["step_s"] - (time.monotonic() - t_step)))
-      steps.append({"step": step, "end": time.time(), "save_s": save_s, "persistent": persistent})
+      steps.append(
+        {
+          "step": step,
+          "end": time.time(),
+          "save_s": save_s,
+          "persistent": persistent,
+          "local_steps": _local_steps(args),
+        }
+      )
     if sc.pid() == 0 and window:  # an outage started (benchmarks/outage.py runs without one)
       ended.wait(args["outage_s"] + 30)
     sc.barrier("trained")  # the bucket is back everywhere before the final wait

@@ -14,6 +14,11 @@ What must hold, per process:
   set by the backlog the returning bucket flushes);
 - no save() waited for the bucket: the worst is far below the outage
   (the 1.5x-of-local-only figure is the benchmark's: benchmarks/outage.py);
+- the ramdisk stays within its budget: local retention does not wait on
+  the bucket's COMMITs (retention/commit_reads.py), so a process's folder
+  holds at most LOCAL_BUDGET steps (the rules' max_to_keep, max_to_keep + 1
+  uncommitted newer ones, the one the stuck state write claimed, and the
+  writes during one pass's bounded read), never a step per save;
 - afterwards the persistent tier holds a step saved after the outage,
   every process's health() names the steps it skipped, and `emergency-ckpt
   report` on the job's event logs shows the outage: when, how long, the
@@ -23,6 +28,7 @@ What must hold, per process:
 from __future__ import annotations
 
 import glob
+import math
 import os
 import statistics
 
@@ -31,6 +37,7 @@ import pytest
 from emergency_ckpt.cli.report import summarize_events
 from emergency_ckpt.core.telemetry import read_events
 from emergency_ckpt.demo.launcher import run_job
+from emergency_ckpt.retention.commit_reads import READ_WAIT_S
 from tests.harness.gcs_server import list_objects
 
 STEP_S = 0.5
@@ -38,6 +45,9 @@ OUTAGE_S = 20.0
 OUTAGE_AT = 12
 STEPS = 130  # 40 s after the outage: a client retrying through it waits up to 32 s
 PERSISTENT_EVERY = 3
+LOCAL_KEEP = 2
+LOCAL_BUDGET = LOCAL_KEEP + (LOCAL_KEEP + 1) + 1 + math.ceil(READ_WAIT_S / STEP_S)
+"""The most step folders a process's own ramdisk folder may hold (docstring)."""
 
 
 def _committed_persistent(server, bucket: str) -> list[int]:
@@ -56,7 +66,7 @@ def test_training_keeps_its_pace_while_the_bucket_is_sick(
     "local_root": shm_dir,
     "persistent": f"{gcs_bucket}/run",
     "local_interval": 1,
-    "local_keep": 2,
+    "local_keep": LOCAL_KEEP,
     "persistent_interval": PERSISTENT_EVERY,
     "persistent_keep": 2,
     "steps": STEPS,
@@ -80,7 +90,7 @@ def test_training_keeps_its_pace_while_the_bucket_is_sick(
   results = job.check()
   window = results[0]["window"]
   start, end = window["start"], window["end"]
-  report, paces, worst_saves = [], [], []
+  report, paces, worst_saves, held = [], [], [], []
   for p, r in enumerate(results):
     steps = r["steps"]
     before = [s for s in steps if s["step"] < OUTAGE_AT and s["step"] > 2]
@@ -96,13 +106,16 @@ def test_training_keeps_its_pace_while_the_bucket_is_sick(
       f" worst local-only {worst_local * 1e3:.1f} ms (median"
       f" {statistics.median(local_only) * 1e3:.1f} ms; slowest steps"
       f" {[(s['step'], round(s['save_s'] * 1e3, 1)) for s in slowest]}); final wait"
-      f" {r['final_wait_s']:.1f}s;"
+      f" {r['final_wait_s']:.1f}s; most local steps held"
+      f" {max(s['local_steps'] for s in steps)};"
       f" persistent health {r['health'].get('persistent')}"
     )
     paces.append(during / (pace * (end - start)))
     worst_saves.append(worst)
     assert during >= 0.9 * pace * (end - start), "\n".join(report)
     assert worst < OUTAGE_S / 4, "\n".join(report)  # no save() waited for the bucket
+    held.append(max(s["local_steps"] for s in steps))
+    assert held[-1] <= LOCAL_BUDGET, "\n".join(report)  # not one step per save
   committed = _committed_persistent(gcs_server, gcs_bucket)
   last_outage_step = max(s["step"] for s in results[0]["steps"] if s["end"] < end)
   assert any(step > last_outage_step for step in committed), (committed, report)
@@ -122,7 +135,8 @@ def test_training_keeps_its_pace_while_the_bucket_is_sick(
     f"sick.bucket.{kind}",
     f"{min(paces):.0%}-{max(paces):.0%} of the pace during the outage; worst save()"
     f" {max(worst_saves) * 1e3:.0f} ms; {first['skipped']} persistent steps skipped, caught up"
-    f" at step {first['caught_up_step']}; step {max(committed)} in the bucket",
+    f" at step {first['caught_up_step']}; step {max(committed)} in the bucket; at most"
+    f" {max(held)} local steps held (budget {LOCAL_BUDGET}, max_to_keep={LOCAL_KEEP})",
     True,  # every promise was asserted above
   )
   print("\n".join(report))

@@ -21,6 +21,7 @@ from collections.abc import Callable, Collection
 from emergency_ckpt.core.records import StepRecords
 from emergency_ckpt.retention import plans
 from emergency_ckpt.retention.claims import CommitClaims
+from emergency_ckpt.retention.commit_reads import CommitReads
 from emergency_ckpt.retention.rules import Rules
 from emergency_ckpt.runtime.background import Background
 
@@ -75,6 +76,8 @@ class Retainer:
     self._pass_queued = False
     # uncommitted local steps: the state lane's claims against this retention's drops
     self.claims = CommitClaims()
+    # which steps committed, never waiting on a hung state store (commit_reads.py)
+    self.commits = CommitReads(state.has_commit, log_prefix=topology.log_prefix())
     self._uploads: Callable[[int | None], Collection[int]] | None = None
 
   def follow_uploads(self, steps: Callable[[int | None], Collection[int]]) -> None:
@@ -130,13 +133,8 @@ class Retainer:
     spares for later saves), and the copies found in other processes'
     folders on this host by the same rules (a restart onto other hosts)."""
     steps = self._local.held_steps()
-    asked: dict[int, bool] = {}
-
-    def is_committed(step: int) -> bool:  # no listing per save; one read per step per pass
-      if step not in asked:
-        asked[step] = self._state.has_commit(step)
-      return asked[step]
-
+    # no listing per save; one bounded read per step per pass, known commits free
+    is_committed = self.commits.asker()
     newest = plans.newest_committed(steps, is_committed)
     self.claims.settle(newest)
     plan = plans.local_plan(
@@ -163,6 +161,8 @@ class Retainer:
       )
     # Runs beside the next writes: only steps of this listing may go.
     self._local.apply_retention(keep, among=steps)
+    if keep:
+      self.commits.forget_below(min(keep))
 
   def state(self) -> None:
     """Primary process: deletes state steps no tier needs any more."""
@@ -282,6 +282,7 @@ class Retainer:
         stop=stop,
         poll_s=0.5,
       ):
+        self.commits.learned(step)
         self.local_soon()
 
     try:
@@ -297,6 +298,7 @@ class Retainer:
     Args:
       step: the step whose state just committed.
     """
+    self.commits.learned(step)
     self._collectives.signal(f"committed_{step}")
     if self._signalled is not None:  # watchers of older steps were ended by newer ones
       self._collectives.forget(signal=f"committed_{self._signalled}")
@@ -338,3 +340,4 @@ class Retainer:
       self._closed = True
       if self._watch_stop is not None:
         self._watch_stop.set()
+    self.commits.close()
