@@ -72,7 +72,8 @@ def test_a_hung_store_costs_one_bounded_wait_then_nothing(store, caplog):
   store.hung.clear()
   store.released.set()
   time.sleep(0.05)
-  assert reads.asker()(6)
+  assert 6 in reads.known()  # the read that timed out said yes, late: remembered
+  assert reads.asker()(4)
   assert any("reads COMMITs again" in r.message for r in caplog.records)
   reads.close()
 

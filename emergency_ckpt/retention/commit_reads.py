@@ -113,6 +113,7 @@ class CommitReads:
       except RuntimeError:  # closed
         return None
       self._pending = future
+    future.add_done_callback(lambda f: self._late(f, step))  # a late yes still counts
     try:
       got = bool(future.result(timeout=self._wait_s))
     except concurrent.futures.TimeoutError:
@@ -123,6 +124,10 @@ class CommitReads:
       return None
     self._healthy()
     return got
+
+  def _late(self, future: concurrent.futures.Future, step: int) -> None:
+    if not future.cancelled() and future.exception() is None and future.result():
+      self.learned(step)
 
   def _sick(self, why: str) -> None:
     with self._lock:
