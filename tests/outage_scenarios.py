@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import emergency_ckpt as ec
+from tests import restart_helpers as rh
 from tests import scenarios as sc
 from tests.harness.gcs_proxy import ProxyClient
 
@@ -54,7 +55,7 @@ def _big(mesh, step: int, mib: int):
 
 def _local_steps(args: dict) -> int:
   """How many step folders this process's own ramdisk folder holds now."""
-  own = os.path.join(sc.host_dir(args), args.get("run_id", "test-run"), f"process_{sc.pid()}")
+  own = rh.process_dir(args, sc.pid())
   try:
     return sum(1 for name in os.listdir(own) if name.startswith("step_"))
   except FileNotFoundError:

@@ -96,7 +96,7 @@ class CommitReads:
         sick = True
         return False
       asked[step] = got
-      if got:
+      if got:  # now: the read's callback (_late) may run after result() returned
         self.learned(step)
       return got
 
