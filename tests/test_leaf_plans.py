@@ -183,3 +183,23 @@ def test_the_fast_manifest_check_is_never_looser(change):
   assert not schema._leaf_ok(body["leaves"][0], body["nbytes"])  # noqa: SLF001
   with pytest.raises(CorruptCheckpointError):
     schema.check_manifest(body, "m")
+
+
+def test_a_cold_layout_is_the_layout_its_dataclasses_would_build(mesh):
+  """_layout_cached builds its slots and leaves without their dataclasses'
+  __init__: every field set, equal (and hashing alike) to what the
+  constructors build, and still frozen."""
+  import dataclasses  # noqa: PLC0415
+
+  tree = [_put(mesh, jnp.ones(4)), _put(mesh, jnp.ones((2, 3), jnp.bfloat16))]
+  got = shards_lib.layout_for(["['a']", "['b']"], tree)
+  for leaf in got.leaves:
+    for slot in leaf.slots:
+      built = shards_lib.ShardSlot(slot.index, slot.offset, slot.nbytes, slot.devices)
+      assert slot == built and hash(slot) == hash(built)
+      assert set(vars(slot)) == {f.name for f in dataclasses.fields(shards_lib.ShardSlot)}
+    kwargs = {f.name: getattr(leaf, f.name) for f in dataclasses.fields(shards_lib.LeafLayout)}
+    assert leaf == shards_lib.LeafLayout(**kwargs)
+    assert set(vars(leaf)) == set(kwargs)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+      leaf.path = "other"

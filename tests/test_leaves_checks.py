@@ -146,20 +146,70 @@ def _body(n=3):
 
 def test_manifest_layouts_old_and_new_read_and_any_flip_is_refused():
   body = _body()
+  head = {k: v for k, v in body.items() if k != "leaves"}
   new = local_format.encode_manifest(body)
   canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
   old = json.dumps({"body": body, "crc32": zlib.crc32(canonical)}).encode()  # before 2026-11-28
-  assert json.loads(new) == json.loads(old)  # the same document
+  older = json.loads(old)
+  assert {k: v for k, v in json.loads(new).items() if k in older} == older  # what old readers read
   assert local_format.decode_manifest(new, "m") == body
   assert local_format.decode_manifest(old, "m") == body
   for raw in (new, old):
+    assert local_format.decode_manifest(raw, "m", leaves=False) == head
     for i in range(len(raw)):  # every byte of both layouts, one flip at a time
       torn = raw[:i] + bytes([raw[i] ^ 0x01]) + raw[i + 1 :]
-      try:
-        got = local_format.decode_manifest(torn, "m")
-      except CorruptCheckpointError:
-        continue
-      assert got == body, (i, torn[max(0, i - 20) : i + 20])  # only a no-op flip may pass
+      for leaves, want in ((True, body), (False, head)):
+        try:
+          got = local_format.decode_manifest(torn, "m", leaves=leaves)
+        except CorruptCheckpointError:
+          continue
+        assert got == want, (i, leaves, torn[max(0, i - 20) : i + 20])  # only no-op flips pass
+
+
+def test_the_light_decode_reads_the_head_without_parsing_the_leaves(monkeypatch):
+  """Discovery's decode of a manifest with a head parses the head's bytes
+  only (a few hundred, whatever the number of leaves)."""
+  raw = local_format.encode_manifest(_body(5000))
+  parsed = []
+  real = json.loads
+  monkeypatch.setattr(local_format.json, "loads", lambda b: parsed.append(len(b)) or real(b))
+  head = local_format.decode_manifest(raw, "m", leaves=False)
+  assert head["step"] == 5 and "leaves" not in head
+  assert parsed and max(parsed) < 1000 < len(raw), (parsed, len(raw))
+
+
+def _compact(doc) -> bytes:
+  return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _headless(body) -> bytes:
+  """A manifest as written before heads were added."""
+  canonical = _compact(body)
+  return b'{"body": %s, "crc32": %d}' % (canonical, zlib.crc32(canonical))
+
+
+def test_a_head_that_differs_from_its_body_is_refused_by_the_whole_decode():
+  """Forged files whose head says one step and whose body another, every
+  CRC32 right: the light decode may list such a step, the read never takes
+  it. Also with a second "head" key at the end, the one a JSON parser keeps."""
+  body = _body()
+  lying = _compact({k: v for k, v in dict(body, step=9).items() if k != "leaves"})
+  canonical = _compact(body)
+  forged = b'{"head": %s, "head_crc32": %d, "body": %s, "crc32": %d}' % (
+    lying,
+    zlib.crc32(lying),
+    canonical,
+    zlib.crc32(canonical),
+  )
+  assert local_format.decode_manifest(forged, "m", leaves=False)["step"] == 9
+  with pytest.raises(CorruptCheckpointError, match="head differs"):
+    local_format.decode_manifest(forged, "m")
+  good = local_format.encode_manifest(body)
+  assert local_format.decode_manifest(good, "m") == body
+  duplicated = good[:-1] + b', "head": %s}' % lying
+  for leaves in (False, True):  # not the layout the light decode reads: decoded whole
+    with pytest.raises(CorruptCheckpointError, match="head differs"):
+      local_format.decode_manifest(duplicated, "m", leaves=leaves)
 
 
 def test_discovery_decode_skips_only_the_leaf_checks_and_never_vouches_for_them():
@@ -170,15 +220,16 @@ def test_discovery_decode_skips_only_the_leaf_checks_and_never_vouches_for_them(
   body = _body()
   body["leaves"][1]["shards"][0]["nbytes"] = 24  # a forged size, its CRC32 recomputed
   raw = local_format.encode_manifest(body)
-  assert local_format.decode_manifest(raw, "m", leaves=False) == body
+  head = {k: v for k, v in body.items() if k != "leaves"}
+  assert local_format.decode_manifest(raw, "m", leaves=False) == head
   with pytest.raises(CorruptCheckpointError, match=r"\['l1'\]|24"):
     local_format.decode_manifest(raw, "m")
-  assert local_format.decode_manifest(raw, "m", leaves=False) == body  # again: still light
+  assert local_format.decode_manifest(raw, "m", leaves=False) == head  # again: still light
   with pytest.raises(CorruptCheckpointError):
     local_format.decode_manifest(raw, "m")
-  head = dict(body, topology=[1, 2])  # outside the leaves: refused by the light decode too
+  forged = dict(body, topology=[1, 2])  # outside the leaves: refused by the light decode too
   with pytest.raises(CorruptCheckpointError, match="topology"):
-    local_format.decode_manifest(local_format.encode_manifest(head), "m", leaves=False)
+    local_format.decode_manifest(local_format.encode_manifest(forged), "m", leaves=False)
   for bad in ([], {"step": 1}):  # a body that is no object, or lacks its leaves
     with pytest.raises(CorruptCheckpointError):
       local_format.decode_manifest(
@@ -206,15 +257,16 @@ def test_a_forged_leaf_in_the_newest_manifest_falls_back_to_the_step_before(opti
 
 
 def test_a_light_decode_hands_its_body_to_the_next_whole_decode_of_the_same_bytes(monkeypatch):
-  """Discovery's light decode parks its body; the step's read (a whole
-  decode of the same bytes) takes it instead of parsing again, still makes
-  the per-leaf checks, and drops the other parked bodies."""
+  """A manifest written without a head (before 2026-11-29): discovery's
+  light decode parks its body; the step's read (a whole decode of the same
+  bytes) takes it instead of parsing again, still makes the per-leaf
+  checks, and drops the other parked bodies."""
   parses = []
   real = json.loads
   monkeypatch.setattr(local_format.json, "loads", lambda raw: parses.append(1) or real(raw))
   local_format._PARKED.clear()  # noqa: SLF001
   bodies = [_body(n) for n in (2, 3, 4)]
-  raws = [local_format.encode_manifest(b) for b in bodies]
+  raws = [_headless(b) for b in bodies]
   for raw in raws:
     local_format.decode_manifest(raw, "m", leaves=False)
   assert len(parses) == 3 and len(local_format._PARKED) == 2  # noqa: SLF001 - bounded
@@ -225,7 +277,7 @@ def test_a_light_decode_hands_its_body_to_the_next_whole_decode_of_the_same_byte
   assert len(parses) == 4  # nothing parked for it any more: parsed
   forged = _body(2)
   forged["leaves"][0]["shards"][0]["offset"] = 10**9  # past the end, its CRC32 recomputed
-  raw = local_format.encode_manifest(forged)
+  raw = _headless(forged)
   local_format.decode_manifest(raw, "m", leaves=False)
   with pytest.raises(CorruptCheckpointError):  # a parked body still gets the leaf checks
     local_format.decode_manifest(raw, "m")

@@ -272,13 +272,28 @@ def _layout_cached(key) -> Layout:
     slots, spec, leaf_nbytes, leaf_on_cpu, leaf_whole = plan
     placed_slots = []
     for index, nbytes, devices in slots:
-      placed_slots.append(ShardSlot(index, offset, nbytes, devices))
+      placed_slots.append(
+        _built(ShardSlot, index=index, offset=offset, nbytes=nbytes, devices=devices)
+      )
       offset += -(-nbytes // ALIGN) * ALIGN
     state_nbytes += leaf_nbytes
     on_cpu = on_cpu and leaf_on_cpu
-    leaves.append(LeafLayout(path, tuple(shape), dtype, tuple(placed_slots), spec))
+    leaves.append(
+      _built(
+        LeafLayout, path=path, shape=tuple(shape), dtype=dtype, slots=tuple(placed_slots), spec=spec
+      )
+    )
     whole.append(leaf_whole)
   return Layout(tuple(leaves), offset, state_nbytes, on_cpu, tuple(whole))
+
+
+def _built(cls, **fields):
+  """A frozen dataclass of `cls` with every field given, built without its
+  generated __init__ (one object.__setattr__ per field): a third of the
+  cost, for the thousands of slots and leaves of a cold layout."""
+  obj = object.__new__(cls)
+  obj.__dict__.update(fields)
+  return obj
 
 
 def _checked_spec(sharding, shape, by_index: dict[Index, list[Any]]) -> list | None:

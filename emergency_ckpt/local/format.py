@@ -4,8 +4,9 @@ A step folder holds `shards.bin` (this process's shards, raw, each at a
 64-byte aligned offset) and `manifest.json`: the tree's leaves with shapes,
 dtypes and, per shard, its global index, offset, size and CRC32C (computed
 in hardware; zlib's CRC32, used before, was much slower and a large part of
-a local save's time). The manifest carries a CRC32 over its own canonical
-body. Reads map shards.bin privately (copy-on-write: nothing is copied, and
+a local save's time). The manifest starts with its head (every field but
+the leaves) and carries a CRC32 over the canonical form of each part, so
+discovery reads a step's head without parsing its leaves. Reads map shards.bin privately (copy-on-write: nothing is copied, and
 writes through the arrays never reach the file) and verify every shard they
 hand out. A copy checked while it arrives: incoming.py.
 
@@ -103,11 +104,14 @@ def _canonical(body: dict) -> bytes:
 
 
 def encode_manifest(body: dict) -> bytes:
-  """The manifest file's bytes for a body, with the CRC32 of its canonical form.
+  """The manifest file's bytes for a body: its head (every field but the
+  leaves) first, then the body, each with the CRC32 of its canonical form.
 
-  The body is written in its canonical form, so a reader checks the CRC32
-  over the file's own bytes (decode_manifest) instead of encoding the body
-  again; the document is the same JSON as before (older readers read it).
+  Both parts are written in canonical form, so a reader checks each CRC32
+  over the file's own bytes instead of encoding a decoded part again, and
+  discovery reads a step's head (decode_manifest(leaves=False)) without
+  parsing thousands of leaf records. The document's "body" and "crc32" are
+  what manifests held before heads were added (older readers read it).
 
   Args:
     body: the manifest body (manifest_body).
@@ -115,21 +119,49 @@ def encode_manifest(body: dict) -> bytes:
   Returns:
     The file's bytes.
   """
+  head = _canonical(_head_of(body)) if isinstance(body, dict) else b"null"
   canonical = _canonical(body)
-  return b'%s%s, "crc32": %d}' % (_HEAD, canonical, zlib.crc32(canonical))
+  return b'%s%s, "head_crc32": %d, "body": %s, "crc32": %d}' % (
+    _WITH_HEAD,
+    head,
+    zlib.crc32(head),
+    canonical,
+    zlib.crc32(canonical),
+  )
 
 
-_HEAD = b'{"body": '
+def _head_of(body: dict) -> dict:
+  return {k: v for k, v in body.items() if k != "leaves"}
+
+
+_WITH_HEAD = b'{"head": '
+_HEAD = b'{"body": '  # manifests written without a head (before 2026-11-29)
+_MID = re.compile(rb', "head_crc32": (\d{1,10}), "body": ')
 _TAIL = re.compile(rb', "crc32": (\d{1,10})\}\Z')
 
 
-def _raw_crc_ok(raw: bytes) -> bool:
-  """Whether `raw` is encode_manifest's layout and its body's bytes match
-  the recorded CRC32 (then they are the canonical form the CRC32 was taken
-  of: no need to encode the decoded body again). False: not known, the
-  caller checks the decoded body."""
-  tail = _TAIL.search(raw, len(raw) - 24) if raw.startswith(_HEAD) else None
-  return tail is not None and zlib.crc32(raw[len(_HEAD) : tail.start()]) == int(tail[1])
+def _parts(raw: bytes) -> tuple[bytes | None, bytes] | None:
+  """(the head's bytes or None, the body's bytes) of encode_manifest's
+  layouts, each matching its recorded CRC32 (then each is the canonical
+  form its CRC32 was taken of); None: not those layouts, or a CRC32 that
+  does not match (the caller decodes and checks the whole document).
+  In canonical JSON no ', "' occurs (strings escape their quotes), so the
+  first separator after the head ends it."""
+  tail = _TAIL.search(raw, max(0, len(raw) - 24))
+  if tail is None:
+    return None
+  if raw.startswith(_WITH_HEAD):
+    mid = _MID.search(raw, len(_WITH_HEAD), tail.start())
+    if mid is None:
+      return None
+    head, body = raw[len(_WITH_HEAD) : mid.start()], raw[mid.end() : tail.start()]
+    if zlib.crc32(head) != int(mid[1]):
+      return None
+  elif raw.startswith(_HEAD):
+    head, body = None, raw[len(_HEAD) : tail.start()]
+  else:
+    return None
+  return (head, body) if zlib.crc32(body) == int(tail[1]) else None
 
 
 def decode_manifest(raw: bytes, where: str, *, leaves: bool = True) -> dict:
@@ -138,37 +170,62 @@ def decode_manifest(raw: bytes, where: str, *, leaves: bool = True) -> dict:
   Args:
     raw: the file's bytes.
     where: names it in errors.
-    leaves: False: every check but the per-leaf ones (check_manifest_head:
-      what discovery needs of each kept step; a reader of the step's
-      tensors decodes it again with them). The caller must not modify
-      the body it gets then: it is handed on to the next whole decode of
-      the same bytes (the step's read), which then parses nothing.
+    leaves: False: the head only (every field but "leaves", which it
+      lacks), its checks made and both parts' checksums too, the leaves
+      not parsed: what discovery needs of each kept step. A reader of the
+      step's tensors decodes it again whole (that decode checks the head
+      against the body). A manifest written without a head is parsed
+      whole, and its body handed on to the next whole decode of the same
+      bytes (the step's read), which then parses nothing.
 
   Returns:
-    The body.
+    The body (leaves=False: its head).
 
   Raises:
     CorruptCheckpointError: it is torn, altered or of an unknown format.
   """
   raw = bytes(raw)
+  if not leaves:
+    head = _light_head(raw, where)
+    if head is not None:
+      return head
   with _CHECKED_LOCK:
     known = raw in _CHECKED
     body = _PARKED.pop(raw, None) if leaves else None
     if leaves:
       _PARKED.clear()  # a read came: discovery's other bodies are not wanted
   if known:  # these very bytes passed every check below: decode only
-    return body if body is not None else json.loads(raw)["body"]
+    body = body if body is not None else json.loads(raw)["body"]
+    return body if leaves else _head_of(body)
   if body is None:
     body = _decode(raw, where)
   if not leaves:  # not remembered as checked: only these bytes' full check is
     check_manifest_head(body, where)
     if len(raw) <= _PARKED_MAX_BYTES:
       _remember(_PARKED, raw, body, _PARKED_KEEP)
-    return body
+    return _head_of(body)
   check_manifest(body, where)
   if len(raw) <= _CHECKED_MAX_BYTES:
     _remember(_CHECKED, raw, None, _CHECKED_KEEP)
   return body
+
+
+def _light_head(raw: bytes, where: str) -> dict | None:
+  """The head of a manifest with one, checked (both parts' CRC32s, the
+  head's fields); None: written without a head, or not encode_manifest's
+  layout (the caller decodes the whole document)."""
+  parts = _parts(raw)
+  if parts is None or parts[0] is None:
+    return None
+  try:
+    head = json.loads(parts[0])
+  except (ValueError, RecursionError) as e:
+    raise CorruptCheckpointError(f"{where}: unreadable manifest head ({e})") from None
+  if not isinstance(head, dict) or head.get("format") != FORMAT or "leaves" in head:
+    what = head.get("format") if isinstance(head, dict) else type(head).__name__
+    raise CorruptCheckpointError(f"{where}: unknown format {what!r} in the manifest's head")
+  check_manifest_head({**head, "leaves": []}, where)
+  return head
 
 
 def _remember(cache: dict, raw: bytes, value, keep: int) -> None:
@@ -180,12 +237,14 @@ def _remember(cache: dict, raw: bytes, value, keep: int) -> None:
 
 
 def _decode(raw: bytes, where: str) -> dict:
-  """A manifest's body, its checksum and format checked (not its fields)."""
+  """A manifest's body, its checksum, head and format checked (not its
+  fields)."""
+  parts = _parts(raw)
   try:
     doc = json.loads(raw)
     body = doc["body"]
     crc = doc["crc32"]
-    ok = _raw_crc_ok(raw) or zlib.crc32(_canonical(body)) == crc
+    ok = parts is not None or zlib.crc32(_canonical(body)) == crc
   except (ValueError, KeyError, TypeError, RecursionError) as e:
     raise CorruptCheckpointError(f"{where}: unreadable manifest ({e})") from None
   if not ok:
@@ -193,6 +252,15 @@ def _decode(raw: bytes, where: str) -> dict:
   if not isinstance(body, dict) or body.get("format") != FORMAT:
     what = body.get("format") if isinstance(body, dict) else type(body).__name__
     raise CorruptCheckpointError(f"{where}: unknown format {what!r}")
+  if "head" in doc or raw.startswith(_WITH_HEAD):
+    # What a light decode of these bytes returns must be this body's head.
+    head = _head_of(body)
+    try:
+      light = json.loads(parts[0]) if parts is not None and parts[0] is not None else None
+    except (ValueError, RecursionError):
+      light = None
+    if doc.get("head") != head or light != head:
+      raise CorruptCheckpointError(f"{where}: the manifest's head differs from its body")
   return body
 
 
