@@ -78,7 +78,7 @@ def assemble_many(
   Returns:
     One array per leaf.
   """
-  with gc_pause.paused():  # thousands of arrays: no collector passes between them
+  with gc_pause.paused(promote=True):  # thousands of arrays: no collector passes between them
     return _assemble_many(abstract, arrays_by_index, memory_kind, copy_small)
 
 

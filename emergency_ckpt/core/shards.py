@@ -359,7 +359,7 @@ def layout_for(paths: Sequence[str], leaves: Sequence[Any]) -> Layout:
         " with a sharding). Wrap scalars with jnp.asarray and device_put them."
       )
     key.append((path, tuple(leaf.shape), _np_dtype(leaf.dtype), sharding))  # compared by value
-  with gc_pause.paused():
+  with gc_pause.paused(promote=True):  # a layout is kept: long-lived
     out = _layout_cached(tuple(key))
   if tree is not None:
     with _LAST_LOCK:

@@ -205,7 +205,7 @@ class Restorer:
     tried: list[str] = []
     damaged = False  # a persistent step was found damaged
     for cand in cands:
-      with clock("read"), gc_pause.paused():  # many leaves: no collector passes in it
+      with clock("read"), gc_pause.paused(promote=True):  # many leaves: no collector passes
         loaded = self._sources.load(cand, target)
       with clock("agree"):
         got = self._ctx.collectives.gather_sparse(
