@@ -257,7 +257,7 @@ def test_a_forged_leaf_in_the_newest_manifest_falls_back_to_the_step_before(opti
 
 
 def test_a_light_decode_hands_its_body_to_the_next_whole_decode_of_the_same_bytes(monkeypatch):
-  """A manifest written without a head (before 2026-11-29): discovery's
+  """A manifest without a head (written by earlier versions): discovery's
   light decode parks its body; the step's read (a whole decode of the same
   bytes) takes it instead of parsing again, still makes the per-leaf
   checks, and drops the other parked bodies."""

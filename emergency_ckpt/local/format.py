@@ -6,9 +6,10 @@ dtypes and, per shard, its global index, offset, size and CRC32C (computed
 in hardware; zlib's CRC32, used before, was much slower and a large part of
 a local save's time). The manifest starts with its head (every field but
 the leaves) and carries a CRC32 over the canonical form of each part, so
-discovery reads a step's head without parsing its leaves. Reads map shards.bin privately (copy-on-write: nothing is copied, and
-writes through the arrays never reach the file) and verify every shard they
-hand out. A copy checked while it arrives: incoming.py.
+discovery reads a step's head without parsing its leaves. Reads map
+shards.bin privately (copy-on-write: nothing is copied, and writes through
+the arrays never reach the file) and verify every shard they hand out. A
+copy checked while it arrives: incoming.py.
 
 Any process, or an offline tool, may call these functions.
 """
@@ -135,7 +136,7 @@ def _head_of(body: dict) -> dict:
 
 
 _WITH_HEAD = b'{"head": '
-_HEAD = b'{"body": '  # manifests written without a head (before 2026-11-29)
+_HEAD = b'{"body": '  # a manifest without a head (written by earlier versions)
 _MID = re.compile(rb', "head_crc32": (\d{1,10}), "body": ')
 _TAIL = re.compile(rb', "crc32": (\d{1,10})\}\Z')
 
