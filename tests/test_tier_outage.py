@@ -18,7 +18,8 @@ What must hold, per process:
   the bucket's COMMITs (retention/commit_reads.py), so a process's folder
   holds at most LOCAL_BUDGET steps (the rules' max_to_keep, max_to_keep + 1
   uncommitted newer ones, the one the stuck state write claimed, and the
-  writes during one pass's bounded read), never a step per save;
+  writes during one pass: its bounded read and its own work), never a step
+  per save;
 - afterwards the persistent tier holds a step saved after the outage,
   every process's health() names the steps it skipped, and `emergency-ckpt
   report` on the job's event logs shows the outage: when, how long, the
@@ -46,7 +47,12 @@ OUTAGE_AT = 12
 STEPS = 130  # 40 s after the outage: a client retrying through it waits up to 32 s
 PERSISTENT_EVERY = 3
 LOCAL_KEEP = 2
-LOCAL_BUDGET = LOCAL_KEEP + (LOCAL_KEEP + 1) + 1 + math.ceil(READ_WAIT_S / STEP_S)
+# The last term: the local writes that complete while one retention pass runs
+# (from its listing to its deletions): its read takes up to READ_WAIT_S, plus
+# the pass's own work and its wait for a core (2 shared cores here), under
+# one step; writes every STEP_S land at most floor(READ_WAIT_S / STEP_S) + 1
+# times in such a window.
+LOCAL_BUDGET = LOCAL_KEEP + (LOCAL_KEEP + 1) + 1 + math.floor(READ_WAIT_S / STEP_S) + 1
 """The most step folders a process's own ramdisk folder may hold (docstring)."""
 
 
