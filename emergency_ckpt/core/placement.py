@@ -56,6 +56,7 @@ def assemble_many(
   memory_kind: str | None = None,
   *,
   copy_small: bool = True,
+  long_lived: bool = True,
 ) -> list[jax.Array]:
   """`assemble` of many leaves, batched: each sharding's placement is
   computed once, and the pieces of the leaves not placed whole go in one
@@ -74,11 +75,14 @@ def assemble_many(
       CPU too (the caller keeps them unchanged for the arrays' lifetime:
       the local tier's private mapping of a step, which it never recycles
       while mapped).
+    long_lived: the arrays outlive the call (a restored state): the
+      collector's pause promotes them as it ends (gc_pause.paused). False
+      for arrays dropped soon (a snapshot handed to one upload).
 
   Returns:
     One array per leaf.
   """
-  with gc_pause.paused(promote=True):  # thousands of arrays: no collector passes between them
+  with gc_pause.paused(promote=long_lived):  # thousands of arrays: no collector passes
     return _assemble_many(abstract, arrays_by_index, memory_kind, copy_small)
 
 

@@ -105,7 +105,8 @@ class HostSnapshot:
       {slot.index: shards_lib.view(self.buffer, leaf, slot) for slot in leaf.slots}
       for leaf in self.layout.leaves
     ]
-    return placement.assemble_many(abstract, by_index, memory_kind)
+    # Dropped once the upload took them: not promoted by the collector's pause.
+    return placement.assemble_many(abstract, by_index, memory_kind, long_lived=False)
 
   def wait_others_staged(self) -> float:
     """Blocks until no process of this job on this machine is copying a step
