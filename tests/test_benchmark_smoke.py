@@ -112,6 +112,11 @@ def test_quick_benchmark_reports_every_metric(tmp_path):
   exact = doc["results"]["emergency_ckpt"]["extras"]["bit_exact"]
   assert exact and all(exact.values()), exact
   assert doc["results"]["emergency_ckpt"]["extras"]["restart"]["bit_exact"]
+  # Where each of our restores' time went, per process: the transfer on a slice loss.
+  breakdown = doc["results"]["emergency_ckpt"]["extras"]["restore_breakdown"]
+  lost = breakdown["2x2/lose_slice"]["phases"]
+  assert len(lost) == 4 and all(_positive(ph.get("transfer")) for ph in lost.values()), lost
+  assert all(_positive(ph.get("read")) for ph in breakdown["2x2/intact"]["phases"].values())
 
   table = (out / "results.md").read_text()
   assert "| metric | raw bound | emergency_ckpt |" in table

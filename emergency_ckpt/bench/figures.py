@@ -461,6 +461,9 @@ def _manager_extras(two: list[dict], four: list[dict]) -> dict:
       extras["restore_breakdown"][key]["first_in_process_total_s"] = max(
         r["total_s"] for r in first
       )
+      phases = _phases_by_process(rows, recs)
+      if phases:
+        extras["restore_breakdown"][key]["phases"] = phases
       evicted = [r["evicted_files"] for r in timed + first if r.get("evicted_files") is not None]
       if evicted:
         extras["restore_breakdown"][key]["evicted_files"] = max(evicted)
@@ -470,6 +473,20 @@ def _manager_extras(two: list[dict], four: list[dict]) -> dict:
     extras["p2p_servers"] = servers
   extras["save_4x1"] = {f: max(p["save"][f] for p in four) for f in ("stall_s", "local_s", "all_s")}
   return extras
+
+
+def _phases_by_process(rows: list[dict], recs: list[list[dict]]) -> dict[str, dict[str, float]]:
+  """{"process N (slice S)": {phase: median seconds over the timed
+  restores}} where the manager reports its restore's phases (ours), else {}."""
+  out = {}
+  for i, (p, reps) in enumerate(zip(rows, recs)):
+    names = {k for r in reps for k in (r.get("phases") or {})}
+    if names:
+      out[f"process {i} (slice {p['slice']})"] = {
+        k: round(_median([(r.get("phases") or {}).get(k, 0.0) for r in reps]), 4)
+        for k in sorted(names)
+      }
+  return out
 
 
 # ---- ratios ------------------------------------------------------------------

@@ -191,8 +191,11 @@ def markdown(doc: dict) -> str:
     "- restore figures time a fresh manager from construction to ready arrays"
     " (Orbax P2P starts its peer fetch in the constructor), after one untimed"
     " warm-up round per process (compiles); the JSON splits construct_s and"
-    " restore_call_s and gives first_in_process_total_s. The restart row is"
-    " the cold path end to end.",
+    " restore_call_s and gives first_in_process_total_s, and for ours each"
+    " process's phases (inventory, read, agree, transfer, place, persistent)."
+    " Before each timed restore, jax releases the host memory the last one's"
+    " arrays aliased, untimed (it does so on its next call; a restarted process"
+    " has none to release). The restart row is the cold path end to end.",
     f"- saves: {workers.WARMUP_SAVES} untimed warm-up saves (steady state: ours"
     " writes into a retired step's file from its 4th save on), then timed saves on"
     " the same manager; every step hits both tiers of every manager (steps are"
