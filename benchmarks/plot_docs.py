@@ -7,8 +7,8 @@ committed; rerun this only when the docs should show another run:
 
   python -m benchmarks.plot_docs BENCH_OUT/results.json [--out docs/assets/bench-managers.png]
 
-The committed PNG was drawn from the run of 2026-11-28 04:32 UTC
-(benchmarks/results/bench-512MiB.md, "2026-11-28 04:32 UTC: every manager").
+The committed PNG was drawn from the run of 2026-11-28 20:50 UTC
+(benchmarks/results/bench-512MiB.md, "2026-11-28 20:50-21:06 UTC: every manager, three runs").
 
 Needs matplotlib (the test extra installs it).
 """

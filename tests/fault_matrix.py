@@ -186,6 +186,16 @@ SCENARIOS: list[Scenario] = [
     for scheme in ("partner", "xor")
   ],
   _s(
+    "sick.upload_one_process",
+    "1 slice x 2 processes, persistent every 2nd step (when_busy=skip): process 1's upload"
+    " of step 2 fails at once (an injected EIO before its Orbax save); process 0's waits in"
+    " Orbax's barriers",
+    "no save() waits for it; process 0 never enters Orbax's save of step 2 alone (skipped,"
+    " in health()), process 1's health() names the error; step 2 never listed; every later"
+    " persistent step reaches the bucket and, every ramdisk wiped, the newest is restored"
+    " bit-exact",
+  ),
+  _s(
     "sick.bucket.job_end",
     "a program ends (close(timeout_s=3)) while the bucket holds its upload of step 2",
     "close() raises PendingWorkTimeoutError naming step 2 as never reaching the bucket;"

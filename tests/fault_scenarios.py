@@ -254,6 +254,44 @@ def hang_in_upload_run(args: dict) -> dict:
   return out  # no close(): it would wait for the hung upload again
 
 
+def upload_error_run(args: dict) -> dict:
+  """One primary-slice process's upload of a step fails at once (failpoint
+  ':raise' before its Orbax save) while the job trains on with
+  `persistent.when_busy: skip`: the other primary processes' uploads of that
+  step wait in Orbax's barriers until their timeout. Every process records
+  its save() stalls, the steps the persistent tier took, what the first and
+  a second bounded wait_until_finished() said and its health; then, with
+  every ramdisk wiped, a fresh manager restores (the persistent tier's
+  newest step). args["inline"]: Orbax copies inside save() (the path of
+  accelerators without pinned host memory) instead of from the snapshot."""
+  mesh = sc.mesh_for(args["slices"])
+  out: dict[str, Any] = {"process": me(), "stalls": {}}
+  with ec.CheckpointManager(sc.options(args), mesh=mesh) as mngr:
+    if args.get("inline"):
+      mngr._saves._upload_snapshots = False  # noqa: SLF001 - the accelerator path
+    for step in args["steps"]:
+      t0 = time.monotonic()
+      mngr.save(step, make_state(mesh, step), data_state=sc.data_state(step))
+      out["stalls"][step] = round(time.monotonic() - t0, 3)
+      time.sleep(args["step_s"])
+    for attempt in ("first_wait", "second_wait"):
+      t0 = time.monotonic()
+      try:
+        mngr.wait_until_finished(timeout_s=args["wait_bound_s"])
+        out[attempt] = "returned"
+      except ec.EmergencyCheckpointError as e:
+        out[attempt] = f"{type(e).__name__}: {e}"
+      out[f"{attempt}_s"] = round(time.monotonic() - t0, 2)
+    out["health"] = mngr.health()["persistent"].as_dict()
+  out["tensors"] = _listing(os.path.join(args["persistent"], "tensors"))
+  barrier("upload-error-closed")
+  shutil.rmtree(sc.host_dir(args), ignore_errors=True)  # every host replaced
+  barrier("upload-error-wiped")
+  with ec.CheckpointManager(sc.options(args), mesh=mesh) as mngr:
+    out["restored"] = _restore_record(mngr, mesh)
+  return out
+
+
 def _fill(path: str) -> int:
   """Writes zeros into `path` until the filesystem is full (a real ENOSPC)."""
   chunk = b"\0" * (64 << 10)

@@ -167,3 +167,51 @@ def test_skips_are_recorded_once_warned_and_in_health(caplog):
   assert [f["step"] for f in events] == [3, 6, 9] and all(f["waiting_on"] for f in events)
   warnings = [r for r in caplog.records if r.levelname == "WARNING"]
   assert len(warnings) == 1 and "persistent step 3 skipped" in warnings[0].getMessage()
+
+
+def _confirm_round(procs, step, errors):
+  """Every process confirms `step` (errors[i]: its preparation failed), on threads."""
+  with concurrent.futures.ThreadPoolExecutor(len(procs)) as pool:
+    return list(pool.map(lambda pe: pe[0].confirm(step, pe[1]), zip(procs, errors)))
+
+
+def test_every_process_ready_enters_the_save():
+  store = Store()
+  procs = [_process(store, i, 4) for i in range(4)]
+  _round(procs, 3, [False] * 4)
+  assert _confirm_round(procs, 3, [None] * 4) == [True] * 4
+
+
+def test_one_process_that_failed_to_prepare_keeps_every_other_out():
+  store = Store()
+  procs = [_process(store, i, 3) for i in range(3)]
+  _round(procs, 6, [False] * 3)
+  got = _confirm_round(procs, 6, [None, "OSError: disk", None])
+  assert got == [False, False, False]
+  for i in (0, 2):  # the ready ones record a skip naming why; the failing one records its failure
+    health = procs[i]._ctx.health.snapshot()["persistent"]  # noqa: SLF001
+    assert health.skipped_steps == (6,) and not health.in_flight, health
+    (event,) = [f for e, f in procs[i]._ctx.events.records if e == "save_skipped"]  # noqa: SLF001
+    assert "failed to prepare" in event["waiting_on"]
+  assert procs[1]._ctx.health.snapshot()["persistent"].skipped_total == 0  # noqa: SLF001
+
+
+def test_a_process_that_never_confirms_is_a_skip_and_vetoes_a_late_one():
+  store = Store()
+  procs = [_process(store, i, 3, timeout_s=0.3) for i in range(3)]
+  got = _confirm_round(procs[:2], 9, [None, None])  # process 2 is still preparing
+  assert got == [False, False]
+  events = [f for e, f in procs[0]._ctx.events.records if e == "save_skipped"]  # noqa: SLF001
+  assert "within" in events[0]["waiting_on"]
+  # process 2 comes in late: everyone counted, but the others left: it must not go in alone
+  assert procs[2].confirm(9, None) is False
+
+
+def test_confirm_keys_go_with_the_old_decisions():
+  store = Store()
+  n = 4
+  procs = [_process(store, i, n) for i in range(n)]
+  for step in range(3, 30, 3):
+    _round(procs, step, [False] * n)
+    assert _confirm_round(procs, step, [None] * n) == [True] * n
+  assert len(store.counts) <= 6 and not store.flags  # ready and prepared counters of the last two

@@ -253,3 +253,71 @@ def test_peer_transfer_damaged_then_refused(shm_dir, fault_matrix):
     f" receivers logged the persistent fallback: {fallback}"
   )
   fault_matrix.check("peer.sender_refuses", text, ok and fallback)
+
+
+UPLOAD_ERROR_STEPS = list(range(1, 17))
+
+
+def test_one_process_upload_fails(shm_dir, fault_matrix):
+  """1 slice x 2 processes (both upload), persistent every 2nd step with
+  when_busy 'skip': process 1 fails to prepare its upload of step 2 (an
+  injected EIO before Orbax's save). Process 0 must not enter Orbax's save
+  alone (its barriers would hold it for Orbax's 5-minute timeout, and every
+  later step with it): step 2 is skipped there, and the next steps upload.
+  Both upload paths: from the snapshot (CPU, accelerators with pinned host
+  memory) and Orbax's inline copy inside save()."""
+  from emergency_ckpt.demo.launcher import run_job  # noqa: PLC0415
+
+  name = "sick.upload_one_process"
+  seen, good = [], True
+  for path in ("snapshot", "inline"):
+    args = _dirs(
+      shm_dir,
+      f"{name}.{path}",
+      slices=1,
+      steps=UPLOAD_ERROR_STEPS,
+      step_s=0.3,
+      collective_timeout_s=TIMEOUT,
+      persistent_when_busy="skip",
+      wait_bound_s=WAIT_BOUND,
+      inline=path == "inline",
+    )
+    armed = {"EC_FAILPOINTS": "persistent.before_save@2:raise"}
+    job = run_job("tests.fault_scenarios:upload_error_run", 2, args, env={1: armed}, timeout_s=180)
+    if job.returncodes != [0, 0]:
+      fault_matrix.check(name, f"{path}: job failed: {job_failure(job)}", False)
+    ok, text = _upload_error_outcome(job.results)
+    good = good and ok
+    seen.append(f"{path}: {text}")
+  fault_matrix.check(name, "; ".join(seen), good)
+
+
+def _upload_error_outcome(results: list[dict]) -> tuple[bool, str]:
+  p0, p1 = results
+  tensors = sorted(int(t) for t in p0["tensors"] or [] if t.isdigit())
+  stalls = [s for p in results for s in p["stalls"].values()]
+  restored = [p["restored"] for p in results]
+  h0, h1 = p0["health"], p1["health"]
+  ok = (
+    "failpoint persistent.before_save@2" in (h1["last_error"] or "")
+    and 2 in h0["skipped_steps"]
+    and all(p["first_wait"] == p["second_wait"] == "returned" for p in results)
+    and all(p["health"]["consecutive_failures"] == 0 for p in results)
+    and 2 not in tensors
+    and tensors[-1:] == [UPLOAD_ERROR_STEPS[-1]]
+    and max(stalls) < TIMEOUT
+    and all(
+      (r["step"], r["source"]) == (tensors[-1], "persistent")
+      and r["mismatches"] == []
+      and r["data_state"] == r["expected_data_state"]
+      for r in restored
+    )
+  )
+  text = (
+    f"process 1's health: {h1['last_error']}; process 0 skipped {h0['skipped_steps']} (never"
+    f" entered Orbax's save); every save() returned within {max(stalls):.2f} s; the bucket"
+    f" holds steps {tensors} and wait_until_finished() returned on both; with every ramdisk"
+    f" wiped, restored {sorted({(r['step'], r['source']) for r in restored})}, bit mismatches"
+    f" {[r['mismatches'] for r in restored]}"
+  )
+  return ok, text

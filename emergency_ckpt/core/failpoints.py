@@ -4,9 +4,11 @@ Set EC_FAILPOINTS="name@step[:action][,name@step[:action]...]" (e.g.
 "local.mid_write@3") in a process's environment; `hit(name, step)` then acts
 there. Actions: `kill` (the default: SIGKILL, exactly as a preempted host
 dies), `stop` (SIGSTOP: the process hangs there for good, as a wedged host
-does, until something sends it SIGKILL) and `sleepN` (this thread waits N
-seconds there and goes on, as a slow disk or scheduler makes it). Unset
-(production), `hit` is one dict lookup.
+does, until something sends it SIGKILL), `sleepN` (this thread waits N
+seconds there and goes on, as a slow disk or scheduler makes it) and `raise`
+(this thread raises OSError(EIO) there, as a failing disk, bucket or
+allocation does on one host only). Unset (production), `hit` is one dict
+lookup.
 
 Points: local.before_write, local.mid_write, local.before_rename,
 local.after_rename (the local tier), state.before_write,
@@ -19,13 +21,14 @@ Called by: the tiers and the state store, at those points; no I/O.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import signal
 import threading
 import time
 
-ACTIONS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
+ACTIONS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "raise": None}
 _SLEEP = re.compile(r"sleep(\d+(?:\.\d+)?)")
 
 
@@ -61,16 +64,21 @@ _ARMED = parse(os.environ.get("EC_FAILPOINTS", ""))
 
 
 def hit(name: str, step: int | None) -> None:
-  """Kills (or stops) this process if `name@step` is armed.
+  """Kills (or stops, delays, fails) this process if `name@step` is armed.
 
   Args:
     name: the point's name (e.g. "local.mid_write").
     step: the step being saved (None: points not tied to a step).
+
+  Raises:
+    OSError: the action is `raise`.
   """
   if _ARMED and (name, step) in _ARMED:
     action = _ARMED[(name, step)]
     if action == "kill":
       os.kill(os.getpid(), signal.SIGKILL)
+    if action == "raise":
+      raise OSError(errno.EIO, f"failpoint {name}@{step}: an injected I/O error")
     sleep = _SLEEP.fullmatch(action)
     if sleep:
       time.sleep(float(sleep.group(1)))

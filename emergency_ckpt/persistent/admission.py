@@ -22,7 +22,15 @@ nobody waits for the decision in save():
     publishes "go" or "skip".
 
 A process that never counts (dead or hung) makes the decision "skip" after
-`timeout_s`. O(1) coordination calls per process per persistent step.
+`timeout_s`.
+
+Once a step is admitted, each process prepares its part on its upload
+lane (the arrays handed to Orbax, Orbax's manager opened) and then says
+whether that worked (confirm()): a process that failed there and stayed
+out of Orbax's save would hold the others in Orbax's barriers for Orbax's
+own timeout (minutes), so the step goes on only where every process of the
+slice is ready; the others record it as skipped. O(1) coordination calls
+per process per persistent step.
 
 Called by: the save pipeline, on every process of the primary slice (enter()
 in save(), decide() on the upload lane).
@@ -168,6 +176,46 @@ class UploadAdmission:
     decision, _, why = got.partition(":")
     return Ticket(step, decision == GO, why or "the primary process skipped it")
 
+  def confirm(self, step: int, error: str | None) -> bool:
+    """After admit() said go, on the upload lane of every process of the
+    primary slice: whether every one of them is ready to enter Orbax's save
+    of `step`. Each says so (`error` None) or raises the step's veto (its
+    preparation failed); a ready process then waits until all of them said
+    it, at most `timeout_s`, and goes on only if nobody vetoed. A process
+    that is not ready, or stops waiting, is recorded here: a skip on the
+    ready ones (the failing one records its own failure). Two or three
+    calls to the coordination service, and the wait.
+
+    Args:
+      step: the admitted persistent step.
+      error: None if this process is ready, else what failed.
+
+    Returns:
+      True if this process enters Orbax's save of `step`.
+    """
+    everyone = self._others + 1
+    if everyone > 1:
+      veto, ready = f"persist_unready_{step}", f"persist_prepared_{step}"
+      if error is not None:
+        self._coll.signal(veto)  # before counting: whoever sees the count sees the veto
+      self._coll.count(ready, everyone)
+      if error is not None:
+        return False
+      if not self._coll.wait_count(ready, everyone, timeout_s=self._timeout_s):
+        self._coll.signal(veto)  # a late process must not go in alone
+        why = (
+          f"not every process of the primary slice was ready to upload it within"
+          f" {self._timeout_s:.0f}s (one is hung, dead or far behind)"
+        )
+      elif self._coll.flag_set(veto):
+        why = "another process of the primary slice failed to prepare its part of the upload"
+      else:
+        return True
+      self._ctx.health.forget("persistent", step)
+      self.skipped(Ticket(step, False, why))
+      return False
+    return error is None
+
   def _publish(self, step: int, decision: str, why: str = "") -> None:
     """The primary's decision of `step`, for every process."""
     self._coll.publish(f"persist_decision_{step}", f"{decision}:{why}" if why else decision)
@@ -181,6 +229,7 @@ class UploadAdmission:
     while len(self._decided) > 2:
       old = self._decided.pop(0)
       self._coll.forget(signal=f"persist_veto_{old}", count=f"persist_ready_{old}")
+      self._coll.forget(signal=f"persist_unready_{old}", count=f"persist_prepared_{old}")
       self._coll.forget_value(f"persist_decision_{old}")
 
   # ---- bookkeeping: health, events, warnings ---------------------------------

@@ -99,6 +99,10 @@ def create(
       # queues) fails the save on this process alone, while the others
       # wait for it in Orbax's barriers. Nothing here uses those timestamps.
       lightweight_initialize=True,
+      # No root metadata file: nothing reads it, and writing it ends
+      # Orbax's constructor in a barrier (at Orbax's own 5-minute timeout)
+      # that a process which failed before opening the manager never joins.
+      save_root_metadata=False,
       enable_async_checkpointing=True,
       # timeout: a hung primary-slice process fails Orbax's barriers
       # after collective_timeout_s, not Orbax's default 20 minutes.

@@ -158,9 +158,13 @@ class PersistentTier(UploadInFlight):
     if self.busy():
       raise RuntimeError("an upload is in flight: the caller skips this step (admission)")
 
-  def _start(self, step: int, tree: Any) -> None:
+  def _prepare(self, step: int) -> None:
+    """What a process does alone before Orbax's collective save of `step`."""
     failpoints.hit("persistent.before_save", step)
     self.open()
+
+  def _start(self, step: int, tree: Any) -> None:
+    """Orbax's save of `step` (after _prepare), collective over the primary slice."""
     self._saving_step = step  # before save: the finalize callback reads it
     self._upload_step, self._upload_started = step, time.monotonic()
     ocp = orbax()
@@ -179,15 +183,22 @@ class PersistentTier(UploadInFlight):
       raise self._translate(e) from e
     failpoints.hit("persistent.after_save_call", step)
 
-  def save(self, step: int, tree: Any) -> None:
+  def save(
+    self, step: int, tree: Any, *, confirm: Callable[[str | None], bool] | None = None
+  ) -> bool:
     """Starts an async save of device arrays (none may be in flight).
 
-    Called by: every process of the primary slice. Blocks on Orbax's
-    device-to-host copy of the shards.
+    Called by: every process of the primary slice. Blocks on `confirm`
+    and on Orbax's device-to-host copy of the shards.
 
     Args:
       step: the step.
       tree: the train state (jax.Arrays, replicated over the replica axis).
+      confirm: as save_snapshot's.
+
+    Returns:
+      True if the save started; False if `confirm` said another process
+      is not ready (the step is skipped).
 
     Raises:
       TopologyError: the state is not replicated over the replica axis.
@@ -195,7 +206,30 @@ class PersistentTier(UploadInFlight):
     """
     self._check_ready()
     _check_replicated(tree, self._topology.replica_axis_name)
+    if not self._prepare_confirmed(step, lambda: None, confirm):
+      return False
     self._start(step, tree)
+    return True
+
+  def _prepare_confirmed(
+    self, step: int, make: Callable[[], Any], confirm: Callable[[str | None], bool] | None
+  ) -> Any:
+    """_prepare and `make()` (the arrays to upload), then `confirm`: what
+    `make()` returned (None where it returns nothing: True), or False if
+    another process is not ready. A failure here is told to `confirm` (the
+    others then stay out of Orbax's save) and raised."""
+    try:
+      self._prepare(step)
+      made = make()
+    except Exception as e:
+      if confirm is not None:
+        confirm(f"{type(e).__name__}: {e}")  # the others do not enter Orbax's save
+      raise gcs_retry.translate(
+        e, what=f"preparing the upload of step {step} to", path=self.directory
+      ) from e
+    if confirm is not None and not confirm(None):
+      return False
+    return True if made is None else made
 
   def save_snapshot(
     self,
@@ -205,6 +239,7 @@ class PersistentTier(UploadInFlight):
     release: Callable[[], None],
     *,
     admit: Callable[[], bool] | None = None,
+    confirm: Callable[[str | None], bool] | None = None,
   ) -> concurrent.futures.Future:
     """Starts a save of an immutable host snapshot (where upload_memory_kind says so).
 
@@ -221,6 +256,10 @@ class PersistentTier(UploadInFlight):
       admit: run first on the upload thread (it may block): the upload
         goes on only if it returns True (the primary slice's agreement,
         persistent/admission.py); None admits it.
+      confirm: run on the upload thread once this process prepared its
+        part (None) or failed to (what failed); it may block: Orbax's save
+        starts only if it returns True (every process of the primary slice
+        is ready, admission.confirm); None: this process alone decides.
 
     Returns:
       The upload's future: True once the step is uploaded, False if it was
@@ -240,7 +279,10 @@ class PersistentTier(UploadInFlight):
       try:
         if admit is not None and not admit():
           return False
-        self._start(step, make_tree())
+        arrays = self._prepare_confirmed(step, make_tree, confirm)
+        if arrays is False:
+          return False
+        self._start(step, arrays)
         self._manager.wait_until_finished()
         return True
       finally:

@@ -328,14 +328,23 @@ class SavePipeline:
           returned.wait()
           return self._admission.admit(ticket)
 
-        upload = self._persistent.save_snapshot(step, state, snapshot_tree, release, admit=admit)
+        upload = self._persistent.save_snapshot(
+          step,
+          state,
+          snapshot_tree,
+          release,
+          admit=admit,
+          confirm=lambda error: self._admission.confirm(step, error),
+        )
         upload.add_done_callback(lambda f: self._admission.uploaded(step, f))
       elif persistent:
         self._ctx.health.begin("persistent", step, "upload")
         upload = concurrent.futures.Future()
         try:  # Orbax copies inline, then uploads in its own background
-          self._persistent.save(step, state)
-          upload.set_result(True)
+          began = self._persistent.save(
+            step, state, confirm=lambda error: self._admission.confirm(step, error)
+          )
+          upload.set_result(began)
         except TopologyError:  # the caller's state is wrong: say so now
           raise
         except Exception as e:  # noqa: BLE001 - a sick tier never stops training
