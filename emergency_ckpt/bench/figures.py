@@ -480,11 +480,11 @@ def _phases_by_process(rows: list[dict], recs: list[list[dict]]) -> dict[str, di
   restores}} where the manager reports its restore's phases (ours), else {}."""
   out = {}
   for i, (p, reps) in enumerate(zip(rows, recs)):
-    names = {k for r in reps for k in (r.get("phases") or {})}
+    phases = [r.get("phases") or {} for r in reps]
+    names = sorted({k for ph in phases for k in ph})
     if names:
       out[f"process {i} (slice {p['slice']})"] = {
-        k: round(_median([(r.get("phases") or {}).get(k, 0.0) for r in reps]), 4)
-        for k in sorted(names)
+        k: round(_median([ph.get(k, 0.0) for ph in phases]), 4) for k in names
       }
   return out
 

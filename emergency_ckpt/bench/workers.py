@@ -305,7 +305,7 @@ def _timed_restore(
     m.read_file(*paired_read)
     cold_read_s = m.now() - t0
   had_local = _has_files(host)
-  released_s = _release_host_buffers()
+  _release_host_buffers()
   barrier(f"restore-{variant}-ready")
   t0 = m.now()
   adapter = _make(args, layout, host, persistent)
@@ -329,20 +329,16 @@ def _timed_restore(
     "evicted_files": evicted,
     "paired_cold_read_s": cold_read_s,
     "phases": getattr(adapter, "phases", None),  # ours: seconds per part of the restore
-    "released_s": released_s,
   }
 
 
-def _release_host_buffers() -> float:
+def _release_host_buffers() -> None:
   """Lets jax release, untimed, the host memory the last restore's arrays
   aliased (their mapping or receive buffer): jax drops its references to
   such buffers only on its next call from Python, so without this the next
   timed restore would pay the last one's unmapping (30-100 ms at 256 MiB on
-  the 2-core VM), which a restarted process never has. Returns the seconds
-  it took."""
-  t0 = m.now()
+  the 2-core VM), which a restarted process never has."""
   jax.block_until_ready(jax.device_put(np.zeros(1, np.float32)))
-  return m.now() - t0
 
 
 def manager_main(args: dict) -> dict:

@@ -194,27 +194,27 @@ class UploadAdmission:
       True if this process enters Orbax's save of `step`.
     """
     everyone = self._others + 1
-    if everyone > 1:
-      veto, ready = f"persist_unready_{step}", f"persist_prepared_{step}"
-      if error is not None:
-        self._coll.signal(veto)  # before counting: whoever sees the count sees the veto
-      self._coll.count(ready, everyone)
-      if error is not None:
-        return False
-      if not self._coll.wait_count(ready, everyone, timeout_s=self._timeout_s):
-        self._coll.signal(veto)  # a late process must not go in alone
-        why = (
-          f"not every process of the primary slice was ready to upload it within"
-          f" {self._timeout_s:.0f}s (one is hung, dead or far behind)"
-        )
-      elif self._coll.flag_set(veto):
-        why = "another process of the primary slice failed to prepare its part of the upload"
-      else:
-        return True
-      self._ctx.health.forget("persistent", step)
-      self.skipped(Ticket(step, False, why))
+    if everyone == 1:
+      return error is None
+    veto, ready = f"persist_unready_{step}", f"persist_prepared_{step}"
+    if error is not None:
+      self._coll.signal(veto)  # before counting: whoever sees the count sees the veto
+    self._coll.count(ready, everyone)
+    if error is not None:
       return False
-    return error is None
+    if not self._coll.wait_count(ready, everyone, timeout_s=self._timeout_s):
+      self._coll.signal(veto)  # a late process must not go in alone
+      why = (
+        f"not every process of the primary slice was ready to upload it within"
+        f" {self._timeout_s:.0f}s (one is hung, dead or far behind)"
+      )
+    elif self._coll.flag_set(veto):
+      why = "another process of the primary slice failed to prepare its part of the upload"
+    else:
+      return True
+    self._ctx.health.forget("persistent", step)
+    self.skipped(Ticket(step, False, why))
+    return False
 
   def _publish(self, step: int, decision: str, why: str = "") -> None:
     """The primary's decision of `step`, for every process."""

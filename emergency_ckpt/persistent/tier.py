@@ -158,10 +158,31 @@ class PersistentTier(UploadInFlight):
     if self.busy():
       raise RuntimeError("an upload is in flight: the caller skips this step (admission)")
 
-  def _prepare(self, step: int) -> None:
-    """What a process does alone before Orbax's collective save of `step`."""
-    failpoints.hit("persistent.before_save", step)
-    self.open()
+  def _prepare(
+    self, step: int, make: Callable[[], Any], confirm: Callable[[str | None], bool] | None
+  ) -> tuple[bool, Any]:
+    """What a process does alone before Orbax's collective save of `step`
+    (Orbax's manager opened, `make()` the arrays to upload), then `confirm`.
+    A failure here is told to `confirm` (the others then stay out of Orbax's
+    save) and raised.
+
+    Returns:
+      (True, what make() returned) to go on; (False, None) if another
+      process of the primary slice is not ready.
+    """
+    try:
+      failpoints.hit("persistent.before_save", step)
+      self.open()
+      made = make()
+    except Exception as e:
+      if confirm is not None:
+        confirm(f"{type(e).__name__}: {e}")
+      raise gcs_retry.translate(
+        e, what=f"preparing the upload of step {step} to", path=self.directory
+      ) from e
+    if confirm is not None and not confirm(None):
+      return False, None
+    return True, made
 
   def _start(self, step: int, tree: Any) -> None:
     """Orbax's save of `step` (after _prepare), collective over the primary slice."""
@@ -206,30 +227,10 @@ class PersistentTier(UploadInFlight):
     """
     self._check_ready()
     _check_replicated(tree, self._topology.replica_axis_name)
-    if not self._prepare_confirmed(step, lambda: None, confirm):
-      return False
-    self._start(step, tree)
-    return True
-
-  def _prepare_confirmed(
-    self, step: int, make: Callable[[], Any], confirm: Callable[[str | None], bool] | None
-  ) -> Any:
-    """_prepare and `make()` (the arrays to upload), then `confirm`: what
-    `make()` returned (None where it returns nothing: True), or False if
-    another process is not ready. A failure here is told to `confirm` (the
-    others then stay out of Orbax's save) and raised."""
-    try:
-      self._prepare(step)
-      made = make()
-    except Exception as e:
-      if confirm is not None:
-        confirm(f"{type(e).__name__}: {e}")  # the others do not enter Orbax's save
-      raise gcs_retry.translate(
-        e, what=f"preparing the upload of step {step} to", path=self.directory
-      ) from e
-    if confirm is not None and not confirm(None):
-      return False
-    return True if made is None else made
+    go, _ = self._prepare(step, lambda: None, confirm)
+    if go:
+      self._start(step, tree)
+    return go
 
   def save_snapshot(
     self,
@@ -279,8 +280,8 @@ class PersistentTier(UploadInFlight):
       try:
         if admit is not None and not admit():
           return False
-        arrays = self._prepare_confirmed(step, make_tree, confirm)
-        if arrays is False:
+        go, arrays = self._prepare(step, make_tree, confirm)
+        if not go:
           return False
         self._start(step, arrays)
         self._manager.wait_until_finished()

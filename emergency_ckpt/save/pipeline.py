@@ -23,6 +23,7 @@ trainer's thread; the rest runs on the background lanes.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import threading
 import time
@@ -334,7 +335,7 @@ class SavePipeline:
           snapshot_tree,
           release,
           admit=admit,
-          confirm=lambda error: self._admission.confirm(step, error),
+          confirm=functools.partial(self._admission.confirm, step),
         )
         upload.add_done_callback(lambda f: self._admission.uploaded(step, f))
       elif persistent:
@@ -342,7 +343,7 @@ class SavePipeline:
         upload = concurrent.futures.Future()
         try:  # Orbax copies inline, then uploads in its own background
           began = self._persistent.save(
-            step, state, confirm=lambda error: self._admission.confirm(step, error)
+            step, state, confirm=functools.partial(self._admission.confirm, step)
           )
           upload.set_result(began)
         except TopologyError:  # the caller's state is wrong: say so now
