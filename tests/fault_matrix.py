@@ -342,6 +342,14 @@ SCENARIOS: list[Scenario] = [
     " the persistent tier still saves; step 4 restores (primary slice from its peer)",
   ),
   _s(
+    "disk.persistent_enospc",
+    "the persistent directory (a local path) is full (real tmpfs filled to ENOSPC) while"
+    " step 4 uploads",
+    "wait_until_finished raises StorageError naming the step, the path, the OS error and"
+    " the fix; save() goes on; once space is freed the next persistent step uploads and"
+    " restores bit-exact with the ramdisk wiped",
+  ),
+  _s(
     "dir.foreign_run",
     "another run's folder in the same ramdisk root, and another run's step 5 planted"
     " in process 1's folder",

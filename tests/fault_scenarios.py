@@ -353,6 +353,104 @@ def enospc_run(args: dict) -> dict:
   return out
 
 
+def persistent_full_run(args: dict) -> dict:
+  """The persistent directory's filesystem fills up ('tmpfs': a small tmpfs
+  the test mounted, filled; 'rlimit': RLIMIT_FSIZE, EFBIG, where no tmpfs
+  can be mounted) while step 4 uploads; wait_until_finished's error is
+  recorded, training saves on (5, 6 with the disk still full); then space is
+  freed, step 8 uploads, and a fresh manager with the ramdisk wiped restores
+  from the persistent tier. args["inline"]: Orbax copies inside save()."""
+  mesh = sc.mesh_for(args["slices"])
+  big = args["big"]
+  out: dict[str, Any] = {"process": me(), "saved": {}, "waits": {}}
+  old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+  filler = os.path.join(args["persistent"], "..", "filler")
+
+  def save_and_wait(mngr, step):
+    t0 = time.monotonic()
+    out["saved"][step] = mngr.save(
+      step, make_state(mesh, step, big), data_state=sc.data_state(step)
+    )
+    out.setdefault("save_s", []).append(time.monotonic() - t0)
+    try:
+      mngr.wait_until_finished()
+      out["waits"][step] = None
+    except Exception as e:  # noqa: BLE001 - the error under test
+      out["waits"][step] = {
+        "type": type(e).__name__,
+        "typed": isinstance(e, ec.StorageError),
+        "message": str(e),
+      }
+
+  with ec.CheckpointManager(sc.options(args), mesh=mesh) as mngr:
+    if args.get("inline"):
+      mngr._saves._upload_snapshots = False  # noqa: SLF001 - the accelerator path
+    for step in (1, 2):
+      save_and_wait(mngr, step)
+    if args["mode"] == "tmpfs":
+      out["filled_bytes"] = _fill(filler)
+    else:
+      signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+      resource.setrlimit(resource.RLIMIT_FSIZE, (args["rlimit_bytes"], old_limit[1]))
+    for step in (3, 4, 5, 6):
+      save_and_wait(mngr, step)
+    out["health_while_full"] = mngr.health()["persistent"].last_error
+    if args["mode"] == "tmpfs":
+      os.remove(filler)
+    else:
+      resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+    for step in (7, 8):
+      save_and_wait(mngr, step)
+    out["health_after"] = mngr.health()["persistent"].consecutive_failures
+  out["tensors"] = _listing(os.path.join(args["persistent"], "tensors"))
+  shutil.rmtree(sc.host_dir(args))
+  use_namespace("after")
+  with ec.CheckpointManager(sc.options(args), mesh=mesh) as mngr:
+    out["restored"] = _restore_record(mngr, mesh, big)
+  return out
+
+
+def lacking_copy_run(args: dict) -> dict:
+  """Steps 1..args['steps'] every args['step_s'] (local every step, keep 1,
+  persistent every 4th); the test slows process 1's state lane at step 3
+  (so retention deletes its copy of step 4 before that step's state file
+  is written) and holds step 4's upload. While the upload is held, and
+  again once it ended, records whether step 4's COMMIT exists, whether
+  its persistent copy is finalized, and whether this process holds it."""
+  mesh = sc.mesh_for(args["slices"])
+  out: dict[str, Any] = {"process": me(), "samples": []}
+  commit = os.path.join(args["persistent"], "state", "4", "COMMIT")
+  final = os.path.join(args["persistent"], "tensors", "4")
+
+  def sample(mngr, when):
+    local = os.path.join(mngr.local_directory, "step_4")
+    out["samples"].append(
+      {
+        "when": when,
+        "committed": os.path.exists(commit),
+        "finalized": os.path.isdir(final),
+        "held": os.path.isdir(local),
+      }
+    )
+
+  with ec.CheckpointManager(sc.options(args), mesh=mesh) as mngr:
+    for step in range(1, args["steps"] + 1):
+      mngr.save(step, make_state(mesh, step), data_state=sc.data_state(step))
+      time.sleep(args["step_s"])
+    time.sleep(args["settle_s"])
+    sample(mngr, "upload held")
+    try:
+      mngr.wait_until_finished(timeout_s=120)
+    except ec.EmergencyCheckpointError as e:
+      out["wait_error"] = f"{type(e).__name__}: {e}"
+    sample(mngr, "after the wait")
+    out["all_steps"] = mngr.all_steps()
+  use_namespace("after")
+  with ec.CheckpointManager(sc.options(args), mesh=mesh) as mngr:
+    out["restored"] = _restore_record(mngr, mesh)
+  return out
+
+
 # ---- restart after a fault ---------------------------------------------------------
 
 

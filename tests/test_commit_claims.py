@@ -152,3 +152,73 @@ def test_a_step_deleted_before_its_state_was_written_never_commits(module_shm_di
   for r in restored:
     assert r["step"] == last and r["source"].startswith("local"), r
     assert not r["mismatches"] and r["data_state"] == r["expected_data_state"], r
+
+
+def _lacking_copy_job(shm_dir: str, name: str, last: int, process_1_failpoints: str) -> list:
+  """lacking_copy_run on 1 slice x 2 processes: local max_to_keep 1,
+  persistent every 4th step, steps 1..last 0.1 s apart; process 1's state
+  lane stalls 1.5 s at step 3 (its retention deletes step 4 before that
+  step's state file is written: a persistent step commits anyway, the
+  persistent tier holding it) and both processes hold step 4's upload 4 s."""
+  root = os.path.join(shm_dir, name)
+  args = {
+    "slices": 1,
+    "local_root": os.path.join(root, "local"),
+    "persistent": os.path.join(root, "persistent"),
+    "persistent_interval": 4,
+    "persistent_when_busy": "skip",
+    "local_keep": 1,
+    "state_commit_timeout_s": 6,
+    "collective_timeout_s": 20,
+    "steps": last,
+    "step_s": 0.1,
+    "settle_s": 1.5,
+  }
+  held = "persistent.before_save@4:sleep4"
+  job = run_job(
+    "tests.fault_scenarios:lacking_copy_run",
+    2,
+    args,
+    env={0: {"EC_FAILPOINTS": held}, 1: {"EC_FAILPOINTS": f"{held},{process_1_failpoints}"}},
+    timeout_s=120,
+  )
+  assert job.returncodes == [0, 0], (job.returncodes, job.errors, job.logs[1][-3000:])
+  return job.results
+
+
+def test_a_persistent_step_a_process_lacks_commits_only_once_uploaded(module_shm_dir):
+  """The soak's third "regressed" finding: process 1's retention deleted its
+  copy of persistent step 4 before its state file was written; the step
+  committed at once (the persistent tier would hold it), the job died before
+  the upload was finalized, and the restart found step 4 committed, held
+  whole nowhere, and resumed from an older step. Now its COMMIT waits for
+  the upload: while the upload is held, step 4 is not committed."""
+  recs = _lacking_copy_job(module_shm_dir, "lacking", 8, "state.before_write@3:sleep1.5")
+  held = {r["process"]: r["samples"][0] for r in recs}
+  assert held[1]["held"] is False, held  # the precondition: process 1 lacks step 4
+  assert held[0]["finalized"] is False, held  # ... and the upload is still held
+  assert held[0]["committed"] is False, held  # the fix: no COMMIT without a whole copy
+  for r in recs:
+    r_ = r["restored"]
+    assert r_["step"] == max(r["all_steps"]) > 4, (r_, r["all_steps"])
+    assert not r_["mismatches"] and r_["data_state"] == r_["expected_data_state"], r_
+
+
+def test_the_deferred_commit_lands_once_the_upload_is_finalized(module_shm_dir):
+  """As above, with steps 1..6 and process 1's state write of step 6 failing
+  (step 6 never commits, 5 was vetoed): once step 4's upload is finalized
+  its COMMIT lands, and a fresh job restores step 4 bit-exact."""
+  recs = _lacking_copy_job(
+    module_shm_dir, "deferred", 6, "state.before_write@3:sleep1.5,state.before_write@6:raise"
+  )
+  by = {r["process"]: r for r in recs}
+  assert by[1]["samples"][0]["held"] is False, by[1]["samples"]
+  assert by[0]["samples"][0]["committed"] is False, by[0]["samples"]
+  after = by[0]["samples"][1]
+  assert after["finalized"] and after["committed"], by[0]["samples"]
+  assert "wait_error" in by[1], by[1]  # its failed state write of step 6, raised
+  for r in recs:
+    assert 4 in r["all_steps"] and 6 not in r["all_steps"], r["all_steps"]
+    r_ = r["restored"]
+    assert r_["step"] == 4, r_
+    assert not r_["mismatches"] and r_["data_state"] == r_["expected_data_state"], r_

@@ -29,7 +29,7 @@ def test_transient_error_says_retries_ran_out():
   [
     (RuntimeError("DEADLINE_EXCEEDED: barrier timed out"), "gs://bkt/run"),  # not storage
     (TypeError("a bug"), "gs://bkt/run"),
-    (OSError("disk full"), "/tmp/run"),  # not GCS: local errors speak for themselves
+    (ValueError("a shape mismatch"), "/tmp/run"),  # not storage, off GCS
   ],
 )
 def test_other_errors_pass_unchanged(exc, path):
@@ -39,3 +39,23 @@ def test_other_errors_pass_unchanged(exc, path):
 def test_storage_error_passes_unchanged():
   e = StorageError("already translated")
   assert gcs_retry.translate(e, what="uploading", path="gs://bkt/run") is e
+
+
+def test_a_full_local_disk_names_the_path_the_cause_and_the_fix():
+  ts_error = ValueError(
+    'RESOURCE_EXHAUSTED: Error writing "w/0.0" in OCDBT database at local file "/p/tensors/4": '
+    + "x" * 400
+    + ": Failed to write 1179855 bytes to file 5: No space left on device [os_error_code='28']"
+  )
+  for exc in (ts_error, OSError(28, "No space left on device")):
+    e = gcs_retry.translate(exc, what="uploading step 4 to", path="/mnt/ckpt/run")
+    assert isinstance(e, StorageError)
+    text = str(e)
+    assert "uploading step 4 to /mnt/ckpt/run failed" in text
+    assert "No space left on device" in text  # the cause survives the shortening
+    assert "free space" in text and "persistent.max_to_keep" in text
+
+
+def test_a_local_permission_error_says_to_check_the_owner():
+  e = gcs_retry.translate(PermissionError(13, "Permission denied"), what="opening", path="/ro")
+  assert isinstance(e, StorageError) and "owner and mode" in str(e)

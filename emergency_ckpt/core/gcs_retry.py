@@ -30,7 +30,8 @@ turn a retry into an error (a DELETE that succeeded but whose answer was lost
 is retried by gcsfs and then gets 404). Each retry is logged at WARNING with
 the bucket and the operation. A permanent error (403, 401, 400, a missing
 bucket) is never retried: it raises StorageError at once, naming the bucket
-and the operation. Off GCS every call runs once, errors unchanged.
+and the operation. Off GCS every call runs once; translate() still names
+the path and the cause of a failed upload.
 
 Called by: storage.py (around every call the library makes itself: the
 state store's JSON, COMMIT markers, listings, deletions), the persistent
@@ -195,7 +196,9 @@ def classify(exc: BaseException) -> str:
 
 def _brief(exc: BaseException) -> str:
   text = " ".join(str(exc).split())
-  return f"{type(exc).__name__}: {text[:300]}" if text else type(exc).__name__
+  if len(text) > 300:  # the cause is often at the end (tensorstore's OS error)
+    text = f"{text[:180]} ... {text[-120:]}"
+  return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def _hint(exc: BaseException) -> str:
@@ -306,10 +309,16 @@ def translate(exc: BaseException, *, what: str, path: epath.PathLike) -> BaseExc
     path: what it worked on.
 
   Returns:
-    On GCS, for a storage failure, a StorageError naming the bucket and
-    operation; anything else (a barrier timeout, a bug) unchanged.
+    For a storage failure, a StorageError naming the operation and, on GCS,
+    the bucket (off GCS: an OSError, or tensorstore's status error such as
+    RESOURCE_EXHAUSTED for a full disk); anything else (a barrier timeout, a
+    bug) unchanged.
   """
-  if not is_gcs(path) or isinstance(exc, StorageError) or not _is_storage_exception(exc):
+  if isinstance(exc, StorageError):
+    return exc
+  if not is_gcs(path):
+    return _translate_local(exc, what=what, path=path)
+  if not _is_storage_exception(exc):
     return exc
   bucket = bucket_of(path)
   if classify(exc) == TRANSIENT:
@@ -321,3 +330,40 @@ def translate(exc: BaseException, *, what: str, path: epath.PathLike) -> BaseExc
   return StorageError(
     f"{what} {os.fspath(path)} failed on GCS bucket {bucket!r}: {_brief(exc)} ({detail}).{hint}"
   )
+
+
+# tensorstore's errors off GCS: a ValueError whose text starts with an absl
+# status code (e.g. 'RESOURCE_EXHAUSTED: Error writing ... No space left on
+# device [os_error_code=28]'); other ValueErrors are bugs, left unchanged
+_TS_STORAGE_CODES = (
+  "RESOURCE_EXHAUSTED",
+  "PERMISSION_DENIED",
+  "UNAVAILABLE",
+  "DATA_LOSS",
+  "NOT_FOUND",
+  "ABORTED",
+)
+_FULL = ("No space left on device", "RESOURCE_EXHAUSTED", "Disk quota exceeded", "File too large")
+
+
+def _translate_local(exc: BaseException, *, what: str, path: epath.PathLike) -> BaseException:
+  """translate() off GCS: an OSError or tensorstore's storage status error
+  becomes a StorageError naming the operation, the path and, for a full
+  disk or a permission error, what to do."""
+  text = str(exc)
+  storage = isinstance(exc, OSError) or (
+    isinstance(exc, ValueError) and text.startswith(_TS_STORAGE_CODES)
+  )
+  if not storage:
+    return exc
+  errno_ = getattr(exc, "errno", None)
+  if errno_ in (28, 27, 122) or any(k in text for k in _FULL):  # ENOSPC, EFBIG, EDQUOT
+    hint = (
+      " The filesystem holding it is full: free space there or lower"
+      " persistent.max_to_keep (the next persistent step tries again)."
+    )
+  elif isinstance(exc, PermissionError) or "PERMISSION_DENIED" in text:
+    hint = " Check that this process may write there (owner and mode)."
+  else:
+    hint = ""
+  return StorageError(f"{what} {os.fspath(path)} failed: {_brief(exc)}.{hint}")

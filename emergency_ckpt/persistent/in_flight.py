@@ -30,14 +30,17 @@ class UploadInFlight:
   _upload_started: float | None  # time.monotonic() it began (None: queued)
 
   def busy(self) -> bool:
-    """Whether this process's previous upload is still running.
+    """Whether this process's previous upload is still running: its future
+    (it ends once Orbax's own wait returned). Never Orbax's "save in
+    progress" mark: Orbax sets it before its save call can fail (a full
+    disk, an earlier upload's error raised again) and clears it only in the
+    finalize thread such a call never starts, so the mark would hold every
+    later step back for good.
 
     Returns:
       True while it runs.
     """
-    if self._upload is not None:  # save_snapshot's: it ends once Orbax finished
-      return not self._upload.done()
-    return self._manager is not None and self._manager.is_saving_in_progress()
+    return self._upload is not None and not self._upload.done()
 
   def running(self) -> str | None:
     """What this process's upload in flight is, for a skip's message: e.g.

@@ -95,7 +95,7 @@ class PersistentTier(UploadInFlight):
     self._manager = None
     self._on_finalized = on_finalized
     self._saving_step: int | None = None
-    self._upload: concurrent.futures.Future | None = None  # save_snapshot's, if any
+    self._upload: concurrent.futures.Future | None = None  # the last upload's, if any
     self._upload_step: int | None = None  # the step of the last upload started or queued
     self._upload_started: float | None = None  # time.monotonic() it began (None: queued)
     self._uploader = SerialExecutor("ec-persistent-upload")  # a daemon: see runtime/serial.py
@@ -186,6 +186,7 @@ class PersistentTier(UploadInFlight):
 
   def _start(self, step: int, tree: Any) -> None:
     """Orbax's save of `step` (after _prepare), collective over the primary slice."""
+    self._drain_stale_error(step)
     self._saving_step = step  # before save: the finalize callback reads it
     self._upload_step, self._upload_started = step, time.monotonic()
     ocp = orbax()
@@ -204,9 +205,28 @@ class PersistentTier(UploadInFlight):
       raise self._translate(e) from e
     failpoints.hit("persistent.after_save_call", step)
 
+  def _drain_stale_error(self, step: int) -> None:
+    """Takes a failed upload's error out of Orbax's manager before the save
+    of `step`. Orbax raises it again from the next save() call (once per
+    calling thread, and once more from its async checkpointer), where it
+    would fail `step` too, for an error that belongs to the upload before
+    it, reported when it ended (the upload's future)."""
+    previous = self._saving_step
+    for check in (self._manager.wait_until_finished, self._manager.check_for_errors):
+      try:
+        check()
+      except Exception as e:  # noqa: BLE001 - the previous upload's, reported here
+        logger.debug(
+          "%s before step %d: the upload of step %s had failed: %s",
+          self._topology.log_prefix(),
+          step,
+          previous,
+          e,
+        )
+
   def save(
     self, step: int, tree: Any, *, confirm: Callable[[str | None], bool] | None = None
-  ) -> bool:
+  ) -> concurrent.futures.Future | None:
     """Starts an async save of device arrays (none may be in flight).
 
     Called by: every process of the primary slice. Blocks on `confirm`
@@ -218,8 +238,9 @@ class PersistentTier(UploadInFlight):
       confirm: as save_snapshot's.
 
     Returns:
-      True if the save started; False if `confirm` said another process
-      is not ready (the step is skipped).
+      The upload's future (as save_snapshot's: True once the step is
+      uploaded, its exception if Orbax's background upload failed); None
+      if `confirm` said another process is not ready (the step is skipped).
 
     Raises:
       TopologyError: the state is not replicated over the replica axis.
@@ -228,9 +249,16 @@ class PersistentTier(UploadInFlight):
     self._check_ready()
     _check_replicated(tree, self._topology.replica_axis_name)
     go, _ = self._prepare(step, lambda: None, confirm)
-    if go:
-      self._start(step, tree)
-    return go
+    if not go:
+      return None
+    self._start(step, tree)
+
+    def upload() -> bool:  # Orbax uploads in its own threads: wait for them here
+      self._manager.wait_until_finished()
+      return True
+
+    self._upload = self._uploader.submit(upload)
+    return self._upload
 
   def save_snapshot(
     self,
@@ -362,10 +390,8 @@ class PersistentTier(UploadInFlight):
   def _wait_all(self) -> None:
     upload, self._upload = self._upload, None
     try:
-      if upload is not None:
-        upload.result()  # re-raises the upload's error
-      if self._manager is not None:
-        self._manager.wait_until_finished()
+      if upload is not None:  # every upload's task ends with Orbax's own wait
+        upload.result()  # re-raises the upload's error, once
     except Exception as e:
       raise self._translate(e) from e
 

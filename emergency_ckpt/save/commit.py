@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from emergency_ckpt.core import failpoints
+from emergency_ckpt.core import failpoints, gcs_retry
 from emergency_ckpt.persistent import checksums
 from emergency_ckpt.persistent import layout as persistent_layout
 from emergency_ckpt.persistent.tier import PersistentTier
@@ -47,6 +47,10 @@ WRITTEN = "state_written_{}"
 """The counter of state files written for a step (the commit's hint)."""
 UNSAVED = "unsaved_{}"
 """The flag a process raises when its save of a step must not commit."""
+DROPPED = "dropped_{}"
+"""The flag a process raises when it lacks its local copy of a persistent
+step (retention deleted it first, or its write failed): the step then
+commits only once the persistent tier holds it."""
 
 
 @dataclasses.dataclass
@@ -136,6 +140,8 @@ class Commits:
     self._state = state
     self._records = records
     self._background = background
+    self._lacking: set[int] = set()  # persistent steps this process holds no local copy of
+    self._deferred: set[int] = set()  # the primary: COMMITs waiting for their upload
     self.persistent = PersistentTier(
       options.persistent,
       topology=topo,
@@ -236,6 +242,11 @@ class Commits:
         if not topo.is_primary_process:
           self._veto(step)
         return False
+      if persistent and not (claimed and written):  # the persistent tier must hold it first
+        if topo.is_primary_process:
+          self._lacking.add(step)
+        else:
+          collectives.signal(DROPPED.format(step))
       self._ctx.health.begin("state", step, "write")
       try:
         crcs = None if sums is None else sums.crcs(self._local if written else None)
@@ -243,8 +254,11 @@ class Commits:
       except Exception as e:
         if written:
           self.retainer.claims.release(step)
-        self.durable(step, "state", None, f"{type(e).__name__}: {e}")
-        raise
+        err = self._storage_error(e, f"writing step {step}'s state to")
+        self.durable(step, "state", None, f"{type(err).__name__}: {err}")
+        if err is e:
+          raise
+        raise err from e
       # the primary's commit hint; the last writer wakes its wait
       collectives.count(WRITTEN.format(step), topo.process_count)
       self.durable(step, "state", None)
@@ -252,7 +266,7 @@ class Commits:
 
     write = self._background.submit("state-write", write_state)
     if topo.is_primary_process:
-      self._background.submit("commit", self._commit, write, step, sums)
+      self._background.submit("commit", self._commit, write, step, sums, persistent)
 
   def _veto(self, step: int) -> None:
     """A non-primary process: `step` must not commit. The flag first: the
@@ -266,12 +280,19 @@ class Commits:
     logger.warning("%s step %d is not committed: %s", self._ctx.topology.log_prefix(), step, why)
     self._ctx.events.record("commit_skipped", step=step, reason=why)
 
-  def _commit(self, write: concurrent.futures.Future, step: int, sums: ShardSums | None) -> None:
-    if self._try_commit(write, step, sums):
-      self.retainer.after_commit(step)
+  def _commit(
+    self, write: concurrent.futures.Future, step: int, sums: ShardSums | None, persistent: bool
+  ) -> None:
+    try:
+      if not self._try_commit(write, step, sums, persistent):
+        return
+    finally:
+      self._lacking.discard(step)
+    self._deferred = {s for s in self._deferred if s > step}  # older ones never matter now
+    self.retainer.after_commit(step)
 
   def _try_commit(
-    self, write: concurrent.futures.Future, step: int, sums: ShardSums | None
+    self, write: concurrent.futures.Future, step: int, sums: ShardSums | None, persistent: bool
   ) -> bool:
     topo, collectives = self._ctx.topology, self._ctx.collectives
     timeout_s = self._ctx.options.state_commit_timeout_s
@@ -291,17 +312,73 @@ class Commits:
         "a process vetoed it (its required redundancy copy is missing: see that process's log)",
       )
       return False
-    if sums is not None:  # a persistent step: its shard table, before COMMIT
-      primary = topo.slice_processes[0]
-      self._state.write_shard_table(
-        step, checksums.shard_table(step, sums.paths, sums.abstract, primary)
+    try:
+      if sums is not None:  # a persistent step: its shard table, before COMMIT
+        primary = topo.slice_processes[0]
+        self._state.write_shard_table(
+          step, checksums.shard_table(step, sums.paths, sums.abstract, primary)
+        )
+      if persistent and self._lacks_copies(step):
+        # a process lacks its copy: COMMIT waits for the persistent tier to
+        # hold the step (_after_persistent), else a restart could find the
+        # step committed and held nowhere whole
+        if not self._records.persistent_final.get(step):
+          self._deferred.add(step)
+          logger.info(
+            "%s step %d commits once its persistent upload is finalized: a process's"
+            " local copy is gone (deleted by retention or never written)",
+            topo.log_prefix(),
+            step,
+          )
+          return False
+      return self._state.commit(
+        step,
+        timeout_s=max(0.0, deadline - time.monotonic()),
+        metrics=self._records.metrics.get(step),
+        info=self._records.info.get(step),
       )
-    return self._state.commit(
-      step,
-      timeout_s=max(0.0, deadline - time.monotonic()),
-      metrics=self._records.metrics.get(step),
-      info=self._records.info.get(step),
-    )
+    except Exception as e:
+      err = self._storage_error(e, f"committing step {step} in")
+      if err is e:
+        raise
+      raise err from e
+
+  def _commit_deferred(self, step: int) -> None:
+    """The primary, on the commit lane: the COMMIT of a persistent step
+    that waited for its upload (every state file is written already)."""
+    try:
+      done = self._state.commit(
+        step,
+        timeout_s=self._ctx.options.state_commit_timeout_s,
+        metrics=self._records.metrics.get(step),
+        info=self._records.info.get(step),
+      )
+    except Exception as e:
+      err = self._storage_error(e, f"committing step {step} in")
+      if err is e:
+        raise
+      raise err from e
+    if done:
+      self.retainer.after_commit(step)
+
+  def _lacks_copies(self, step: int) -> bool:
+    """The primary: whether a process lacks its local copy of persistent
+    step `step` (its DROPPED flag; one call, the flag then forgotten)."""
+    if step in self._lacking:
+      self._lacking.discard(step)
+      return True
+    if self._ctx.topology.process_count == 1:
+      return False
+    collectives = self._ctx.collectives
+    dropped = collectives.flag_set(DROPPED.format(step))
+    if dropped:
+      collectives.forget(signal=DROPPED.format(step))
+    return dropped
+
+  def _storage_error(self, e: BaseException, what: str) -> BaseException:
+    """`e` as a StorageError naming `what` and the state store, if it is a
+    storage failure (a full disk, a permission error; on GCS already one)."""
+    return gcs_retry.translate(e, what=what, path=self._state.root)
 
   def persistent_finalized(self, step: int) -> None:
     """Follows up a finalized persistent step on the commit lane. Called
@@ -324,4 +401,7 @@ class Commits:
     self._records.persistent_final.put(step, True)
     self.durable(step, "persistent", None)
     if self._ctx.topology.is_primary_process:
+      if step in self._deferred:  # its COMMIT waited for this (_try_commit)
+        self._deferred.discard(step)
+        self._commit_deferred(step)
       self.retainer.persistent()

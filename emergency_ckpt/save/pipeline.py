@@ -340,17 +340,19 @@ class SavePipeline:
         upload.add_done_callback(lambda f: self._admission.uploaded(step, f))
       elif persistent:
         self._ctx.health.begin("persistent", step, "upload")
-        upload = concurrent.futures.Future()
         try:  # Orbax copies inline, then uploads in its own background
-          began = self._persistent.save(
+          upload = self._persistent.save(
             step, state, confirm=functools.partial(self._admission.confirm, step)
           )
-          upload.set_result(began)
         except TopologyError:  # the caller's state is wrong: say so now
           raise
         except Exception as e:  # noqa: BLE001 - a sick tier never stops training
+          upload = concurrent.futures.Future()
           upload.set_exception(e)
-        self._admission.uploaded(step, upload)
+        if upload is None:  # another process was not ready: skipped
+          upload = concurrent.futures.Future()
+          upload.set_result(False)
+        upload.add_done_callback(lambda f: self._admission.uploaded(step, f))
     self._ctx.events.record(
       "save",
       step=step,
