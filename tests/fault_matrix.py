@@ -350,6 +350,14 @@ SCENARIOS: list[Scenario] = [
     " restores bit-exact with the ramdisk wiped",
   ),
   _s(
+    "disk.persistent_one_process",
+    "one process of the primary slice cannot write to the persistent directory"
+    " (RLIMIT_FSIZE) while steps 3-6 save; the other can",
+    "each process's wait_until_finished raises a typed error in bounded time, naming the"
+    " cause on the failing one; save() never raises; once lifted the next persistent step"
+    " uploads and both restore it bit-exact",
+  ),
+  _s(
     "dir.foreign_run",
     "another run's folder in the same ramdisk root, and another run's step 5 planted"
     " in process 1's folder",

@@ -76,22 +76,26 @@ def _big_values(step: int, n: int) -> np.ndarray:
   return ((np.arange(n, dtype=np.uint64) * 2654435761 + step) >> 7).astype(np.uint8)
 
 
-def make_state(mesh, step: int, big: int = 0) -> dict:
-  """scenarios.make_state, plus a replicated uint8 leaf of `big` bytes."""
+def make_state(mesh, step: int, big: int = 0, big_spec: P | None = None) -> dict:
+  """scenarios.make_state, plus a uint8 leaf of `big` bytes (replicated, or
+  partitioned by `big_spec`)."""
   state = sc.make_state(mesh, step)
   if big:
     v = _big_values(step, big)
     state["big"] = jax.make_array_from_callback(
-      (big,), NamedSharding(mesh, P()), lambda idx: v[idx]
+      (big,), NamedSharding(mesh, big_spec or P()), lambda idx: v[idx]
     )
   return state
 
 
-def abstract_state(mesh, big: int = 0, variant: str | None = None) -> dict:
+def abstract_state(
+  mesh, big: int = 0, variant: str | None = None, big_spec: P | None = None
+) -> dict:
   """The abstract train state; `variant` makes it wrong on purpose."""
   out = sc.abstract_state(mesh)
   if big:
-    out["big"] = jax.ShapeDtypeStruct((big,), jnp.uint8, sharding=NamedSharding(mesh, P()))
+    sharding = NamedSharding(mesh, big_spec or P())
+    out["big"] = jax.ShapeDtypeStruct((big,), jnp.uint8, sharding=sharding)
   w = out["w"]
   if variant == "dtype":
     out["w"] = jax.ShapeDtypeStruct(w.shape, jnp.float16, sharding=w.sharding)
@@ -124,9 +128,11 @@ def _listing(path: str) -> list[str] | None:
     return None
 
 
-def _restore_record(mngr, mesh, big: int = 0, variant: str | None = None) -> dict:
+def _restore_record(
+  mngr, mesh, big: int = 0, variant: str | None = None, big_spec: P | None = None
+) -> dict:
   t0 = time.monotonic()
-  r = mngr.restore(abstract_state(mesh, big, variant))
+  r = mngr.restore(abstract_state(mesh, big, variant, big_spec))
   return {
     "step": r.step,
     "source": r.source,
@@ -359,9 +365,12 @@ def persistent_full_run(args: dict) -> dict:
   can be mounted) while step 4 uploads; wait_until_finished's error is
   recorded, training saves on (5, 6 with the disk still full); then space is
   freed, step 8 uploads, and a fresh manager with the ramdisk wiped restores
-  from the persistent tier. args["inline"]: Orbax copies inside save()."""
+  from the persistent tier. args["inline"]: Orbax copies inside save().
+  args["victim"]: the one process whose disk is full (rlimit) or that fills
+  the shared tmpfs (default 0)."""
   mesh = sc.mesh_for(args["slices"])
   big = args["big"]
+  big_spec = P("data") if args.get("big_sharded") else None  # each process writes its part
   out: dict[str, Any] = {"process": me(), "saved": {}, "waits": {}}
   old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
   filler = os.path.join(args["persistent"], "..", "filler")
@@ -369,7 +378,7 @@ def persistent_full_run(args: dict) -> dict:
   def save_and_wait(mngr, step):
     t0 = time.monotonic()
     out["saved"][step] = mngr.save(
-      step, make_state(mesh, step, big), data_state=sc.data_state(step)
+      step, make_state(mesh, step, big, big_spec), data_state=sc.data_state(step)
     )
     out.setdefault("save_s", []).append(time.monotonic() - t0)
     try:
@@ -378,7 +387,7 @@ def persistent_full_run(args: dict) -> dict:
     except Exception as e:  # noqa: BLE001 - the error under test
       out["waits"][step] = {
         "type": type(e).__name__,
-        "typed": isinstance(e, ec.StorageError),
+        "typed": isinstance(e, ec.EmergencyCheckpointError),
         "message": str(e),
       }
 
@@ -387,18 +396,21 @@ def persistent_full_run(args: dict) -> dict:
       mngr._saves._upload_snapshots = False  # noqa: SLF001 - the accelerator path
     for step in (1, 2):
       save_and_wait(mngr, step)
-    if args["mode"] == "tmpfs":
+    victim = me() == args.get("victim", 0)
+    if victim and args["mode"] == "tmpfs":
       out["filled_bytes"] = _fill(filler)
-    else:
+    elif victim:
       signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
       resource.setrlimit(resource.RLIMIT_FSIZE, (args["rlimit_bytes"], old_limit[1]))
+    barrier("persistent-full")
     for step in (3, 4, 5, 6):
       save_and_wait(mngr, step)
     out["health_while_full"] = mngr.health()["persistent"].last_error
-    if args["mode"] == "tmpfs":
+    if victim and args["mode"] == "tmpfs":
       os.remove(filler)
-    else:
+    elif victim:
       resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+    barrier("persistent-freed")
     for step in (7, 8):
       save_and_wait(mngr, step)
     out["health_after"] = mngr.health()["persistent"].consecutive_failures
@@ -406,7 +418,7 @@ def persistent_full_run(args: dict) -> dict:
   shutil.rmtree(sc.host_dir(args))
   use_namespace("after")
   with ec.CheckpointManager(sc.options(args), mesh=mesh) as mngr:
-    out["restored"] = _restore_record(mngr, mesh, big)
+    out["restored"] = _restore_record(mngr, mesh, big, big_spec=big_spec)
   return out
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 
 import jax
 import jax.numpy as jnp
@@ -52,3 +53,14 @@ def barrier(name: str, timeout_s: float = 120) -> None:
     return
   client = jax._src.distributed.global_state.client  # noqa: SLF001
   client.wait_at_barrier(f"ec-test/{name}", int(timeout_s * 1000))
+
+
+def mount_tmpfs(path: str, size: str) -> bool:
+  """Mounts a real tmpfs of `size` at `path` (needs CAP_SYS_ADMIN); False if
+  it cannot (the caller falls back to RLIMIT_FSIZE)."""
+  os.makedirs(path, mode=0o700, exist_ok=True)
+  proc = subprocess.run(
+    ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", path],
+    capture_output=True,
+  )
+  return proc.returncode == 0

@@ -19,6 +19,7 @@ import pytest
 from emergency_ckpt.demo.launcher import run_job
 from tests.fault_matrix import check_errors, check_restored, job_failure
 from tests.fault_scenarios import read_records
+from tests.helpers import mount_tmpfs
 
 TIMEOUT = 3  # collective_timeout_s where a process is expected to be missing
 
@@ -213,16 +214,6 @@ def test_hang_in_restore_agreement(damage_runs, fault_matrix):
 # ---- a full ramdisk ------------------------------------------------------------------
 
 
-def _mount_tmpfs(path: str, size: str) -> bool:
-  """Mounts a real tmpfs of `size` at `path` (needs CAP_SYS_ADMIN)."""
-  os.makedirs(path, mode=0o700, exist_ok=True)
-  proc = subprocess.run(
-    ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", path],
-    capture_output=True,
-  )
-  return proc.returncode == 0
-
-
 def test_ramdisk_full(shm_dir, fault_matrix):
   name = "disk.enospc"
   args = {
@@ -234,7 +225,7 @@ def test_ramdisk_full(shm_dir, fault_matrix):
   }
   primary_host = os.path.join(args["local_root"], "host_0")
   forced = os.environ.get("EC_FAULT_ENOSPC_MODE")  # "rlimit": exercise the fallback
-  mounted = forced != "rlimit" and _mount_tmpfs(primary_host, "1m")
+  mounted = forced != "rlimit" and mount_tmpfs(primary_host, "1m")
   if mounted:
     args.update(mode="tmpfs", victim=0)
     how = "a real 1 MiB tmpfs as the primary's ramdisk, filled up"
@@ -280,83 +271,5 @@ def test_ramdisk_full(shm_dir, fault_matrix):
   observed = (
     f"{how}: save() of steps 3-4 returned True, warning '{errno_text}', ramdisk lists"
     f" only {listed}, persistent tier {job.results[0]['tensors']}; {text}"
-  )
-  fault_matrix.check(name, "; ".join(problems) or observed, not problems)
-
-
-@pytest.mark.parametrize("path", ["snapshot", "inline"])
-def test_persistent_disk_full(shm_dir, fault_matrix, path):
-  """A local-path persistent tier whose filesystem fills up: the upload's
-  failure reaches wait_until_finished as a StorageError naming the step, the
-  path, the OS error and the fix (never tensorstore's raw ValueError),
-  save() goes on (a failed Orbax save call once left Orbax's "save in
-  progress" mark set, and the next persistent save() raised), and once
-  space is freed the next persistent step uploads and restores bit-exact.
-  Both upload paths: from the snapshot, and Orbax's copy inside save()."""
-  name = "disk.persistent_enospc"
-  mount = os.path.join(shm_dir, f"pdisk-{path}")
-  args = {
-    "inline": path == "inline",
-    "slices": 1,
-    "local_root": os.path.join(shm_dir, "local"),
-    "persistent": os.path.join(mount, "p"),
-    "persistent_interval": 2,
-    "persistent_keep": 1,
-    "local_keep": 2,
-    "big": 1 << 20,
-  }
-  forced = os.environ.get("EC_FAULT_ENOSPC_MODE")
-  mounted = forced != "rlimit" and _mount_tmpfs(mount, "6m")
-  if mounted:
-    args["mode"] = "tmpfs"
-    how, errno_text = "a real 6 MiB tmpfs as the persistent directory, filled up", "No space left"
-  else:
-    os.makedirs(mount, exist_ok=True)
-    args.update(mode="rlimit", rlimit_bytes=512 << 10)
-    how, errno_text = "RLIMIT_FSIZE (EFBIG) on the one process", "File too large"
-  try:
-    job = run_job(
-      "tests.fault_scenarios:persistent_full_run",
-      1,
-      args,
-      timeout_s=180,
-      out_dir=os.path.join(shm_dir, f"job-{path}"),
-    )
-  finally:
-    if mounted:
-      subprocess.run(["umount", "-l", mount], check=False)
-  if job.returncodes != [0]:
-    fault_matrix.check(name, f"job failed: {job_failure(job)}", False)
-  rv = job.results[0]
-  waits = {int(k): v for k, v in rv["waits"].items()}
-  problems = []
-  failed = waits.get(4)
-  if not failed or not failed["typed"]:
-    problems.append(f"wait_until_finished after step 4 gave {failed} (want a StorageError)")
-  else:
-    text = failed["message"]
-    for part in ("step 4", args["persistent"], errno_text, "persistent.max_to_keep"):
-      if part not in text:
-        problems.append(f"the error does not name {part!r}: {text}")
-  untyped = {s: w for s, w in waits.items() if w is not None and not w["typed"]}
-  if untyped:
-    problems.append(f"untyped errors from wait_until_finished: {untyped}")
-  if waits.get(2) is not None or waits.get(8) is not None:
-    problems.append(f"steps 2 or 8 (disk not full) raised: {waits.get(2)}, {waits.get(8)}")
-  if not all(rv["saved"].values()):
-    problems.append(f"save() returned {rv['saved']}")
-  if not rv["health_while_full"] or errno_text not in rv["health_while_full"]:
-    problems.append(f"health while full: {rv['health_while_full']}")
-  if rv["health_after"] != 0:
-    problems.append(f"persistent failures in a row after the disk was freed: {rv['health_after']}")
-  if "8" not in (rv["tensors"] or []) or "4" in (rv["tensors"] or []):
-    problems.append(f"persistent tier lists {rv['tensors']} (want step 8, never step 4)")
-  ok, text = check_restored([dict(rv["restored"], process=0, slice=0)], 8, "persistent")
-  if not ok:
-    problems.append(text)
-  observed = (
-    f"{path} upload, {how}: wait_until_finished raised StorageError '{(failed or {}).get('message', '')[:90]}...';"
-    f" save() returned {sorted(rv['saved'].values())[0]} throughout; persistent tier"
-    f" {rv['tensors']} after space was freed; {text}"
   )
   fault_matrix.check(name, "; ".join(problems) or observed, not problems)

@@ -253,3 +253,43 @@ def test_a_persistent_only_step_records_its_shard_checksums(options, mesh, inlin
     r = mngr.restore(abstract)
   assert (r.step, r.source) == (4, "persistent")
   assert np.asarray(r.state["w"]).tobytes() == np.asarray(x).tobytes()
+
+
+def test_a_vanished_local_folder_is_made_again(options, mesh, caplog):
+  """The ramdisk folder deleted while the job runs (a /dev/shm clean-up, an
+  operator's rm): the next local save makes it again (0700, its owner lock
+  taken anew) with one warning, and the local tier works on; a symlink put
+  in its place instead is refused (the write fails with a warning, nothing
+  is written through it), and training goes on."""
+  from emergency_ckpt.local import owner  # noqa: PLC0415
+
+  with ec.CheckpointManager(options, mesh=mesh) as mngr:
+    mngr.save(2, _state(mesh, 2.0), force=True)
+    mngr.wait_until_finished()
+    folder = mngr.local_directory
+    shutil.rmtree(options.local.directory)
+    with caplog.at_level("WARNING", logger="emergency_ckpt"):
+      for step in (3, 4):
+        assert mngr.save(step, _state(mesh, float(step)), force=True)
+        mngr.wait_until_finished()
+    assert sum("vanished while the job ran" in r.getMessage() for r in caplog.records) == 1
+    assert sorted(os.listdir(folder)) == [".owner", "step_3", "step_4"]
+    assert os.stat(folder).st_mode & 0o777 == 0o700
+    assert owner.held(folder)  # the lock on the new owner file
+    local = mngr.health()["local"]
+    assert (local.newest_durable_step, local.consecutive_failures) == (4, 0)
+    r = mngr.restore(_abstract(mesh))
+    assert (r.step, r.source) == (4, "local")
+    np.testing.assert_array_equal(np.asarray(r.state["w"]), np.full((4, 2), 4.0, np.float32))
+
+    elsewhere = os.path.join(os.path.dirname(options.local.directory), "elsewhere")
+    os.makedirs(elsewhere, mode=0o700)
+    shutil.rmtree(folder)
+    os.symlink(elsewhere, folder)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="emergency_ckpt"):
+      assert mngr.save(5, _state(mesh, 5.0), force=True)  # training goes on
+      mngr.wait_until_finished()
+    assert any("symlink" in r.getMessage() for r in caplog.records), caplog.text
+    assert os.listdir(elsewhere) == []  # nothing written through the symlink
+    assert mngr.health()["local"].consecutive_failures == 1

@@ -342,6 +342,7 @@ _TS_STORAGE_CODES = (
   "DATA_LOSS",
   "NOT_FOUND",
   "ABORTED",
+  "OUT_OF_RANGE",  # a file size limit (EFBIG)
 )
 _FULL = ("No space left on device", "RESOURCE_EXHAUSTED", "Disk quota exceeded", "File too large")
 
@@ -359,7 +360,7 @@ def _translate_local(exc: BaseException, *, what: str, path: epath.PathLike) -> 
   errno_ = getattr(exc, "errno", None)
   if errno_ in (28, 27, 122) or any(k in text for k in _FULL):  # ENOSPC, EFBIG, EDQUOT
     hint = (
-      " The filesystem holding it is full: free space there or lower"
+      " The filesystem holding it is full (or a file size limit was hit): free space there or lower"
       " persistent.max_to_keep (the next persistent step tries again)."
     )
   elif isinstance(exc, PermissionError) or "PERMISSION_DENIED" in text:

@@ -27,6 +27,7 @@ import dataclasses
 import logging
 import os
 import shutil
+import stat
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Sequence
@@ -241,6 +242,7 @@ class LocalTier:
     failpoints.hit("local.before_write", staged.step)
     staged.wait_filled()
     staged.wait_others_staged()
+    self._ensure_folder(staged.step)
     if os.path.lexists(final):  # a leftover of an earlier incarnation: Orbax
       self.delete(staged.step, recycle=True)  # never overwrites; its file may serve
     spare = self._spares.take(staged.layout.nbytes)
@@ -258,6 +260,32 @@ class LocalTier:
       if spare is not None:  # empty unless the save failed before taking its file
         shutil.rmtree(spare, ignore_errors=True)
     failpoints.hit("local.after_rename", staged.step)
+
+  def _ensure_folder(self, step: int) -> None:
+    """Makes this process's folder again if it vanished while the job ran
+    (a ramdisk clean-up, an operator's rm): a warning, and the writes go
+    on; the steps it held are gone (the peers and the persistent tier
+    still have theirs). One lstat per write. Raises OSError
+    (UnsafeDirectoryError: a symlink or someone else's folder in its place).
+    """
+    try:
+      if stat.S_ISDIR(os.lstat(self.directory).st_mode):
+        return
+    except FileNotFoundError:
+      pass
+    logger.warning(
+      "%s the local folder %s vanished while the job ran (deleted by a ramdisk"
+      " clean-up or by hand?); it is made again for step %d and the steps it held"
+      " are gone: restores use the peers and the persistent tier for them",
+      self._topology.log_prefix(),
+      self.directory,
+      step,
+    )
+    local_owner.secure_makedirs(self._options.root, shared_ok=True)
+    for p in (os.path.dirname(self.directory), self.directory):
+      local_owner.secure_makedirs(p)
+    old, self._owner = self._owner, local_owner.take(self.directory, self._topology.log_prefix())
+    local_owner.release(old)
 
   def _recorded_topology(self) -> dict:
     """The fingerprint, with the slice grid (reshard.py) when known."""

@@ -37,8 +37,14 @@ from emergency_ckpt.core import layout
 from emergency_ckpt.core.health import Health, HealthTracker
 from emergency_ckpt.core.records import StepRecords
 from emergency_ckpt.core.telemetry import EventLog
-from emergency_ckpt.errors import InvalidOptionsError, PendingWorkTimeoutError, ProtectedStepError
+from emergency_ckpt.errors import (
+  CollectiveTimeoutError,
+  InvalidOptionsError,
+  PendingWorkTimeoutError,
+  ProtectedStepError,
+)
 from emergency_ckpt.local.tier import LocalTier
+from emergency_ckpt.persistent import admission
 from emergency_ckpt.persistent import layout as persistent_layout
 from emergency_ckpt.persistent.orbax_loader import OrbaxLoader
 from emergency_ckpt.redundancy import links as redundancy_links
@@ -250,16 +256,39 @@ class Parts:
     topo, options = self.ctx.topology, self.ctx.options
     self.wait_idle()
     self.background.wait(self.persistent.in_flight)
+
     # Orbax's finalize queues persistent retention: wait for it first. If
     # Orbax's barrier gave up (after collective_timeout_s) without naming
-    # who is missing, one short exchange over the primary slice names them.
-    self.persistent.wait_until_finished(
-      probe=lambda: self.ctx.collectives.barrier(
-        "persistent_barrier_probe",
-        processes=topo.slice_processes[0],
-        timeout_s=min(10.0, options.collective_timeout_s),
-      )
-    )
+    # who is missing, one short exchange over the primary slice names them,
+    # and a flag says whether another process's part failed.
+    def probe(step: int) -> str | None:
+      collectives = self.ctx.collectives
+
+      def failed_elsewhere() -> str | None:
+        if not collectives.flag_set(admission.FAILED.format(step)):
+          return None
+        return (
+          f"another process of the primary slice failed its part of step {step}'s upload"
+          " (its wait_until_finished() and health() name the error): this process"
+          " waited for it in Orbax's barrier until collective_timeout_s."
+        )
+
+      # the failed process raises its own error and never joins the probe
+      why = failed_elsewhere()
+      if why is None:
+        try:
+          collectives.barrier(
+            "persistent_barrier_probe",
+            processes=topo.slice_processes[0],
+            timeout_s=min(10.0, options.collective_timeout_s),
+          )
+        except CollectiveTimeoutError:
+          why = failed_elsewhere()
+          if why is None:
+            raise
+      return why or failed_elsewhere()
+
+    self.persistent.wait_until_finished(probe=probe)
     self.background.drain()
     self.wait_idle()
 

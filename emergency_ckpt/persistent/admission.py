@@ -50,6 +50,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger("emergency_ckpt")
 
 GO, SKIP = "go", "skip"
+FAILED = "persist_failed_{}"
+"""The flag a process raises when its part of a step's upload failed (not a
+barrier timeout): the others, timed out in Orbax's barrier, name it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,6 +234,7 @@ class UploadAdmission:
       self._coll.forget(signal=f"persist_veto_{old}", count=f"persist_ready_{old}")
       self._coll.forget(signal=f"persist_unready_{old}", count=f"persist_prepared_{old}")
       self._coll.forget_value(f"persist_decision_{old}")
+      self._coll.forget(signal=FAILED.format(old))
 
   # ---- bookkeeping: health, events, warnings ---------------------------------
   def admit(self, ticket: Ticket) -> bool:
@@ -266,6 +270,8 @@ class UploadAdmission:
     skips."""
     error = upload.exception()
     if error is not None:
+      if not is_barrier_timeout(error):  # the others' barrier timeout then names it
+        self._coll.signal(FAILED.format(step))
       self._on_failed(step, f"{type(error).__name__}: {error}")
       logger.warning(
         "%s persistent upload of step %d failed: %s. Training goes on; the next persistent"
@@ -279,3 +285,10 @@ class UploadAdmission:
       # this process's part is written (the primary also records the step
       # durable once Orbax finalizes it)
       self._ctx.health.end("persistent", step)
+
+
+def is_barrier_timeout(error: BaseException) -> bool:
+  """Whether an upload's error is Orbax's barrier giving up (it raises an
+  untyped error carrying the coordination service's DEADLINE_EXCEEDED)."""
+  text = str(error)
+  return isinstance(error, TimeoutError) or "DEADLINE" in text or "timed out" in text.lower()

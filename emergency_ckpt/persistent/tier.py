@@ -43,6 +43,7 @@ from emergency_ckpt.errors import CollectiveTimeoutError, StepAlreadyExistsError
 from emergency_ckpt.options import PersistentTierOptions
 from emergency_ckpt.persistent import orbax_manager
 from emergency_ckpt.persistent import read as persistent_read
+from emergency_ckpt.persistent.admission import is_barrier_timeout
 from emergency_ckpt.persistent.in_flight import UploadInFlight
 from emergency_ckpt.persistent.layout import cleanup_unfinalized, delete_step, list_steps
 from emergency_ckpt.persistent.orbax_loader import orbax
@@ -205,6 +206,24 @@ class PersistentTier(UploadInFlight):
       raise self._translate(e) from e
     failpoints.hit("persistent.after_save_call", step)
 
+  def _wait_orbax(self) -> None:
+    """Orbax's wait for the upload in flight, raising its first error: where
+    this process's write failed, Orbax's finalize goes on to a barrier the
+    others (still waiting for this process's part) never reach, and that
+    barrier's timeout is raised while handling the write's error: the write's
+    error (its context) is raised instead."""
+    try:
+      self._manager.wait_until_finished()
+    except Exception as e:
+      if not is_barrier_timeout(e):
+        raise
+      cause, seen = e.__context__, 0
+      while cause is not None and seen < 8 and is_barrier_timeout(cause):
+        cause, seen = cause.__context__, seen + 1
+      if isinstance(cause, Exception):
+        raise cause from e
+      raise
+
   def _drain_stale_error(self, step: int) -> None:
     """Takes a failed upload's error out of Orbax's manager before the save
     of `step`. Orbax raises it again from the next save() call (once per
@@ -254,7 +273,7 @@ class PersistentTier(UploadInFlight):
     self._start(step, tree)
 
     def upload() -> bool:  # Orbax uploads in its own threads: wait for them here
-      self._manager.wait_until_finished()
+      self._wait_orbax()
       return True
 
     self._upload = self._uploader.submit(upload)
@@ -312,7 +331,7 @@ class PersistentTier(UploadInFlight):
         if not go:
           return False
         self._start(step, arrays)
-        self._manager.wait_until_finished()
+        self._wait_orbax()
         return True
       finally:
         release()
@@ -400,30 +419,36 @@ class PersistentTier(UploadInFlight):
       e, what=f"uploading step {self._saving_step} to", path=self.directory
     )
 
-  def wait_until_finished(self, probe: Callable[[], Any] = lambda: None) -> None:
+  def wait_until_finished(self, probe: Callable[[int], str | None] = lambda step: None) -> None:
     """Blocks until the last upload is durable; re-raises its error.
 
     Args:
-      probe: called if Orbax's barrier timed out (it raises an untyped error
-        carrying the coordination service's DEADLINE_EXCEEDED): an exchange
-        that names missing processes, raising CollectiveTimeoutError.
+      probe: called with the step if Orbax's barrier timed out (it raises
+        an untyped error carrying the coordination service's
+        DEADLINE_EXCEEDED): an exchange that names missing processes
+        (raising CollectiveTimeoutError), then what another process said
+        of its part of that step (None: nothing).
 
     Raises:
-      CollectiveTimeoutError: the barrier timed out (from `probe`, or saying
-        one process was only slow).
+      CollectiveTimeoutError: the barrier timed out (from `probe`; naming
+        another process's failed part; or saying one process was only slow).
       StorageError: the upload failed.
     """
     try:
       self._wait_all()
     except Exception as e:
-      text = str(e)
-      if not (isinstance(e, TimeoutError) or "DEADLINE" in text or "timed out" in text.lower()):
+      if not is_barrier_timeout(e):
         raise
-      probe()
+      step = self._saving_step
+      why = probe(step) if step is not None else None
       raise CollectiveTimeoutError(
-        f"{self._topology.log_prefix()} the persistent upload's barrier timed out ({e});"
-        " every process of the primary slice answered afterwards, so one was only slow:"
-        " raise collective_timeout_s."
+        f"{self._topology.log_prefix()} the persistent upload of step {step} timed out in"
+        f" Orbax's barrier ({e}); "
+        + (
+          why
+          or "every process of the primary slice answered afterwards, so one was only slow:"
+          " raise collective_timeout_s."
+        )
       ) from e
 
   def close(self, *, abandon: bool = False) -> None:
