@@ -22,10 +22,11 @@ Called by: the save pipeline (pipeline.py) and the manager (which reads
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from emergency_ckpt.core import failpoints, gcs_retry
@@ -312,7 +313,7 @@ class Commits:
         "a process vetoed it (its required redundancy copy is missing: see that process's log)",
       )
       return False
-    try:
+    with self._storage_errors(f"committing step {step} in"):
       if sums is not None:  # a persistent step: its shard table, before COMMIT
         primary = topo.slice_processes[0]
         self._state.write_shard_table(
@@ -331,35 +332,36 @@ class Commits:
             step,
           )
           return False
-      return self._state.commit(
-        step,
-        timeout_s=max(0.0, deadline - time.monotonic()),
-        metrics=self._records.metrics.get(step),
-        info=self._records.info.get(step),
-      )
-    except Exception as e:
-      err = self._storage_error(e, f"committing step {step} in")
-      if err is e:
-        raise
-      raise err from e
+      return self._write_commit(step, max(0.0, deadline - time.monotonic()))
+
+  def _write_commit(self, step: int, timeout_s: float) -> bool:
+    """The primary: COMMIT of `step` once every file is there (state store's commit)."""
+    return self._state.commit(
+      step,
+      timeout_s=timeout_s,
+      metrics=self._records.metrics.get(step),
+      info=self._records.info.get(step),
+    )
 
   def _commit_deferred(self, step: int) -> None:
     """The primary, on the commit lane: the COMMIT of a persistent step
     that waited for its upload (every state file is written already)."""
+    with self._storage_errors(f"committing step {step} in"):
+      done = self._write_commit(step, self._ctx.options.state_commit_timeout_s)
+    if done:
+      self.retainer.after_commit(step)
+
+  @contextlib.contextmanager
+  def _storage_errors(self, what: str) -> Iterator[None]:
+    """Raises a storage failure inside as a StorageError naming `what` and
+    the state store (a full disk, a permission error; on GCS already one)."""
     try:
-      done = self._state.commit(
-        step,
-        timeout_s=self._ctx.options.state_commit_timeout_s,
-        metrics=self._records.metrics.get(step),
-        info=self._records.info.get(step),
-      )
+      yield
     except Exception as e:
-      err = self._storage_error(e, f"committing step {step} in")
+      err = self._storage_error(e, what)
       if err is e:
         raise
       raise err from e
-    if done:
-      self.retainer.after_commit(step)
 
   def _lacks_copies(self, step: int) -> bool:
     """The primary: whether a process lacks its local copy of persistent
