@@ -289,6 +289,8 @@ class Commits:
         return
     finally:
       self._lacking.discard(step)
+      if persistent and self._ctx.topology.process_count > 1:
+        self._ctx.collectives.forget(signal=DROPPED.format(step))
     self._deferred = {s for s in self._deferred if s > step}  # older ones never matter now
     self.retainer.after_commit(step)
 
@@ -319,10 +321,11 @@ class Commits:
         self._state.write_shard_table(
           step, checksums.shard_table(step, sums.paths, sums.abstract, primary)
         )
-      if persistent and self._lacks_copies(step):
-        # a process lacks its copy: COMMIT waits for the persistent tier to
-        # hold the step (_after_persistent), else a restart could find the
-        # step committed and held nowhere whole
+      if persistent and (not counted or self._lacks_copies(step)):
+        # a process lacks its copy (or is late: its flag may come after this
+        # read): COMMIT waits for the persistent tier to hold the step
+        # (_after_persistent), else a restart could find the step committed
+        # and held nowhere whole
         if not self._records.persistent_final.get(step):
           self._deferred.add(step)
           logger.info(
@@ -365,17 +368,13 @@ class Commits:
 
   def _lacks_copies(self, step: int) -> bool:
     """The primary: whether a process lacks its local copy of persistent
-    step `step` (its DROPPED flag; one call, the flag then forgotten)."""
+    step `step` (its DROPPED flag; one call)."""
     if step in self._lacking:
       self._lacking.discard(step)
       return True
     if self._ctx.topology.process_count == 1:
       return False
-    collectives = self._ctx.collectives
-    dropped = collectives.flag_set(DROPPED.format(step))
-    if dropped:
-      collectives.forget(signal=DROPPED.format(step))
-    return dropped
+    return self._ctx.collectives.flag_set(DROPPED.format(step))  # forgotten by _commit
 
   def _storage_error(self, e: BaseException, what: str) -> BaseException:
     """`e` as a StorageError naming `what` and the state store, if it is a
