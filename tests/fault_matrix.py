@@ -32,6 +32,7 @@ BEGIN, END = "<!-- fault-matrix:begin -->", "<!-- fault-matrix:end -->"
 FAULT_TESTS = [
   "tests/test_faults_crash.py",
   "tests/test_faults_damage.py",
+  "tests/test_persistent_disk_full.py",
   "tests/test_faults_multislice.py",
   "tests/test_faults_api.py",
   "tests/test_persistent_verify.py",
