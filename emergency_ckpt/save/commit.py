@@ -291,7 +291,6 @@ class Commits:
       self._lacking.discard(step)
       if persistent and self._ctx.topology.process_count > 1:
         self._ctx.collectives.forget(signal=DROPPED.format(step))
-    self._deferred = {s for s in self._deferred if s > step}  # older ones never matter now
     self.retainer.after_commit(step)
 
   def _try_commit(
@@ -405,4 +404,6 @@ class Commits:
       if step in self._deferred:  # its COMMIT waited for this (_try_commit)
         self._deferred.discard(step)
         self._commit_deferred(step)
+      # uploads run one at a time: an older deferred step's upload failed
+      self._deferred = {s for s in self._deferred if s > step}
       self.retainer.persistent()
