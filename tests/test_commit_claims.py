@@ -198,6 +198,9 @@ def test_a_persistent_step_a_process_lacks_commits_only_once_uploaded(module_shm
   assert held[1]["held"] is False, held  # the precondition: process 1 lacks step 4
   assert held[0]["finalized"] is False, held  # ... and the upload is still held
   assert held[0]["committed"] is False, held  # the fix: no COMMIT without a whole copy
+  primary = next(r for r in recs if r["process"] == 0)
+  after = primary["samples"][1]  # once finalized, it commits (newer steps committed first)
+  assert after["finalized"] and after["committed"], primary["samples"]
   for r in recs:
     r_ = r["restored"]
     assert r_["step"] == max(r["all_steps"]) > 4, (r_, r["all_steps"])
