@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import errno
 import logging
 import os
 import random
@@ -345,6 +346,7 @@ _TS_STORAGE_CODES = (
   "OUT_OF_RANGE",  # a file size limit (EFBIG)
 )
 _FULL = ("No space left on device", "RESOURCE_EXHAUSTED", "Disk quota exceeded", "File too large")
+_FULL_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 
 
 def _translate_local(exc: BaseException, *, what: str, path: epath.PathLike) -> BaseException:
@@ -357,8 +359,7 @@ def _translate_local(exc: BaseException, *, what: str, path: epath.PathLike) -> 
   )
   if not storage:
     return exc
-  errno_ = getattr(exc, "errno", None)
-  if errno_ in (28, 27, 122) or any(k in text for k in _FULL):  # ENOSPC, EFBIG, EDQUOT
+  if getattr(exc, "errno", None) in _FULL_ERRNOS or any(k in text for k in _FULL):
     hint = (
       " The filesystem holding it is full (or a file size limit was hit): free space there or lower"
       " persistent.max_to_keep (the next persistent step tries again)."

@@ -88,9 +88,7 @@ class LocalTier:
     self.directory = layout.process_dir(
       os.path.abspath(options.root), run_id, topology.process_index
     )
-    local_owner.secure_makedirs(options.root, shared_ok=True)  # may be /dev/shm itself
-    for p in (os.path.dirname(self.directory), self.directory):
-      local_owner.secure_makedirs(p)
+    self._make_folders()
     self._own_background = background is None
     self._background = Background(topology.log_prefix()) if background is None else background
     self._writer = self._background.lane("local-write")
@@ -261,6 +259,13 @@ class LocalTier:
         shutil.rmtree(spare, ignore_errors=True)
     failpoints.hit("local.after_rename", staged.step)
 
+  def _make_folders(self) -> None:
+    """The root (may be /dev/shm itself), the run's and this process's
+    folders, each checked (owner.secure_makedirs)."""
+    local_owner.secure_makedirs(self._options.root, shared_ok=True)
+    for p in (os.path.dirname(self.directory), self.directory):
+      local_owner.secure_makedirs(p)
+
   def _ensure_folder(self, step: int) -> None:
     """Makes this process's folder again if it vanished while the job ran
     (a ramdisk clean-up, an operator's rm): a warning, and the writes go
@@ -281,9 +286,7 @@ class LocalTier:
       self.directory,
       step,
     )
-    local_owner.secure_makedirs(self._options.root, shared_ok=True)
-    for p in (os.path.dirname(self.directory), self.directory):
-      local_owner.secure_makedirs(p)
+    self._make_folders()
     old, self._owner = self._owner, local_owner.take(self.directory, self._topology.log_prefix())
     local_owner.release(old)
 

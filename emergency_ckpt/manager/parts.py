@@ -262,31 +262,25 @@ class Parts:
     # who is missing, one short exchange over the primary slice names them,
     # and a flag says whether another process's part failed.
     def probe(step: int) -> str | None:
-      collectives = self.ctx.collectives
-
-      def failed_elsewhere() -> str | None:
-        if not collectives.flag_set(admission.FAILED.format(step)):
-          return None
-        return (
-          f"another process of the primary slice failed its part of step {step}'s upload"
-          " (its wait_until_finished() and health() name the error): this process"
-          " waited for it in Orbax's barrier until collective_timeout_s."
-        )
-
-      # the failed process raises its own error and never joins the probe
-      why = failed_elsewhere()
-      if why is None:
+      # a process whose part failed raises its own error, never joins the
+      # exchange, and raises a flag first
+      collectives, failed = self.ctx.collectives, admission.FAILED.format(step)
+      if not collectives.flag_set(failed):
         try:
           collectives.barrier(
             "persistent_barrier_probe",
             processes=topo.slice_processes[0],
             timeout_s=min(10.0, options.collective_timeout_s),
           )
+          return None
         except CollectiveTimeoutError:
-          why = failed_elsewhere()
-          if why is None:
+          if not collectives.flag_set(failed):
             raise
-      return why or failed_elsewhere()
+      return (
+        f"another process of the primary slice failed its part of step {step}'s upload"
+        " (its wait_until_finished() and health() name the error): this process"
+        " waited for it in Orbax's barrier until collective_timeout_s."
+      )
 
     self.persistent.wait_until_finished(probe=probe)
     self.background.drain()

@@ -250,16 +250,14 @@ class Commits:
           collectives.signal(DROPPED.format(step))
       self._ctx.health.begin("state", step, "write")
       try:
-        crcs = None if sums is None else sums.crcs(self._local if written else None)
-        self._state.write(step, data_state, crcs)
+        with self._storage_errors(f"writing step {step}'s state to"):
+          crcs = None if sums is None else sums.crcs(self._local if written else None)
+          self._state.write(step, data_state, crcs)
       except Exception as e:
         if written:
           self.retainer.claims.release(step)
-        err = self._storage_error(e, f"writing step {step}'s state to")
-        self.durable(step, "state", None, f"{type(err).__name__}: {err}")
-        if err is e:
-          raise
-        raise err from e
+        self.durable(step, "state", None, f"{type(e).__name__}: {e}")
+        raise
       # the primary's commit hint; the last writer wakes its wait
       collectives.count(WRITTEN.format(step), topo.process_count)
       self.durable(step, "state", None)
@@ -360,7 +358,7 @@ class Commits:
     try:
       yield
     except Exception as e:
-      err = self._storage_error(e, what)
+      err = gcs_retry.translate(e, what=what, path=self._state.root)
       if err is e:
         raise
       raise err from e
@@ -368,17 +366,11 @@ class Commits:
   def _lacks_copies(self, step: int) -> bool:
     """The primary: whether a process lacks its local copy of persistent
     step `step` (its DROPPED flag; one call)."""
-    if step in self._lacking:
-      self._lacking.discard(step)
+    if step in self._lacking:  # the primary's own (forgotten by _commit)
       return True
     if self._ctx.topology.process_count == 1:
       return False
     return self._ctx.collectives.flag_set(DROPPED.format(step))  # forgotten by _commit
-
-  def _storage_error(self, e: BaseException, what: str) -> BaseException:
-    """`e` as a StorageError naming `what` and the state store, if it is a
-    storage failure (a full disk, a permission error; on GCS already one)."""
-    return gcs_retry.translate(e, what=what, path=self._state.root)
 
   def persistent_finalized(self, step: int) -> None:
     """Follows up a finalized persistent step on the commit lane. Called
