@@ -287,7 +287,9 @@ class Commits:
         return
     finally:
       self._lacking.discard(step)
-      if persistent and self._ctx.topology.process_count > 1:
+      # every step: a process of another slice may have raised it for a
+      # persistent step this slice skipped (then not read here)
+      if self._ctx.topology.process_count > 1:
         self._ctx.collectives.forget(signal=DROPPED.format(step))
     self.retainer.after_commit(step)
 
