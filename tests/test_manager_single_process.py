@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 import shutil
+import time
 
 import jax
 import jax.numpy as jnp
@@ -293,3 +294,38 @@ def test_a_vanished_local_folder_is_made_again(options, mesh, caplog):
     assert any("symlink" in r.getMessage() for r in caplog.records), caplog.text
     assert os.listdir(elsewhere) == []  # nothing written through the symlink
     assert mngr.health()["local"].consecutive_failures == 1
+
+
+@pytest.mark.parametrize("inline", [False, True], ids=["snapshot-upload", "orbax-inline"])
+def test_a_finalize_failing_after_its_callback_never_holds_the_commit_lane(
+  options, mesh, monkeypatch, inline
+):
+  """Orbax reports a persistent step finalized before its rename; if the
+  finalization then fails (a full disk writing its metadata, seen in the
+  full-disk runs) the commit lane once polled for the step's folder until
+  collective_timeout_s (60 s here), holding every later COMMIT. It now stops
+  once the upload ended: step 4 fails promptly (named in health), step 8
+  commits and restores."""
+  from emergency_ckpt.core import failpoints  # noqa: PLC0415
+
+  monkeypatch.setattr(failpoints, "_ARMED", {("persistent.finalize_callback", 4): "raise"})
+  options = dataclasses.replace(options, collective_timeout_s=60)
+  with ec.CheckpointManager(options, mesh=mesh) as mngr:
+    mngr._saves._upload_snapshots = not inline  # noqa: SLF001 - the accelerator path
+    t0 = time.monotonic()
+    assert mngr.save(4, _state(mesh, 4.0))
+    with pytest.raises(ec.StorageError, match="failpoint persistent.finalize_callback@4"):
+      mngr.wait_until_finished()
+    assert mngr.save(8, _state(mesh, 8.0))
+    mngr.wait_until_finished()
+    waited = time.monotonic() - t0
+    assert mngr.health()["persistent"].newest_durable_step == 8
+  assert waited < 30, f"steps 4 and 8 took {waited:.1f}s: the lane waited for step 4's folder"
+  tensors = os.listdir(os.path.join(options.persistent.directory, "tensors"))
+  assert "8" in tensors and "4" not in tensors, tensors
+  with ec.CheckpointManager(options, mesh=mesh) as mngr:
+    shutil.rmtree(mngr.local_directory)
+  with ec.CheckpointManager(options, mesh=mesh) as mngr:
+    r = mngr.restore(_abstract(mesh))
+  assert (r.step, r.source) == (8, "persistent")
+  np.testing.assert_array_equal(np.asarray(r.state["w"]), np.full((4, 2), 8.0, np.float32))

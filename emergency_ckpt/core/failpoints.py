@@ -14,7 +14,9 @@ Points: local.before_write, local.mid_write, local.before_rename,
 local.after_rename (the local tier), state.before_write,
 state.before_commit,
 state.after_commit (the state store), persistent.before_save,
-persistent.after_save_call, persistent.after_finalize (the persistent tier).
+persistent.after_save_call, persistent.finalize_callback (Orbax's
+finalization reported, its rename not done), persistent.after_finalize (the
+persistent tier).
 
 Called by: the tiers and the state store, at those points; no I/O.
 """

@@ -17,7 +17,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from etils import epath
@@ -80,8 +80,13 @@ def list_steps(directory: epath.PathLike) -> list[int]:
   return sorted(s for s, p in steps if s is not None and p.is_dir())
 
 
-def wait_finalized(directory: epath.PathLike, step: int, timeout_s: float) -> bool:
-  """Polls until a step is finalized.
+def wait_finalized(
+  directory: epath.PathLike,
+  step: int,
+  timeout_s: float,
+  ended: Callable[[], bool] = lambda: False,
+) -> bool:
+  """Polls until a step is finalized, its upload ended without it, or a timeout.
 
   Orbax runs its post-finalization callback BEFORE its rename / commit
   file: the step is not final then, and normally is shortly after. Polls
@@ -93,15 +98,21 @@ def wait_finalized(directory: epath.PathLike, step: int, timeout_s: float) -> bo
     directory: the tensors/ folder.
     step: the step.
     timeout_s: how long to poll.
+    ended: whether the step's upload has ended (it finalizes the step
+      before it ends): once True, a step not finalized never will be (a
+      finalize that failed after Orbax's callback, e.g. a full disk).
 
   Returns:
-    True once finalized; False after `timeout_s`.
+    True once finalized; False once its upload ended without it, or
+    after `timeout_s`.
   """
   step_dir = layout.tensor_step_dir(directory, step)
   start = time.monotonic()
   deadline = start + timeout_s
   poll = 0.01
   while not is_finalized(step_dir):
+    if ended() and not is_finalized(step_dir):
+      return False
     if time.monotonic() > deadline:
       return False
     time.sleep(poll)

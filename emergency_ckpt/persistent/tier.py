@@ -99,6 +99,7 @@ class PersistentTier(UploadInFlight):
     self._upload: concurrent.futures.Future | None = None  # the last upload's, if any
     self._upload_step: int | None = None  # the step of the last upload started or queued
     self._upload_started: float | None = None  # time.monotonic() it began (None: queued)
+    self._ended_upto = -1  # the newest step whose upload ended (uploads run one at a time)
     self._uploader = SerialExecutor("ec-persistent-upload")  # a daemon: see runtime/serial.py
     # Every process, before anything waits on another: a missing bucket fails
     # each of them at once, naming it (on GCS; no-op elsewhere).
@@ -142,6 +143,19 @@ class PersistentTier(UploadInFlight):
     step = self._saving_step
     if self._on_finalized is not None and step is not None:
       self._on_finalized(step)
+      failpoints.hit("persistent.finalize_callback", step)  # before Orbax's rename
+
+  def _ended(self, step: int) -> None:
+    self._ended_upto = max(self._ended_upto, step)
+
+  def upload_ended(self, step: int) -> bool:
+    """Whether the upload of `step` has ended: finalized (before it ends),
+    failed, or not started. Any thread may call it; blocks on nothing.
+
+    Args:
+      step: a step whose upload started.
+    """
+    return self._ended_upto >= step
 
   def steps(self) -> list[int]:
     """The committed (finalized) steps, oldest first. Any process may call it.
@@ -273,8 +287,11 @@ class PersistentTier(UploadInFlight):
     self._start(step, tree)
 
     def upload() -> bool:  # Orbax uploads in its own threads: wait for them here
-      self._wait_orbax()
-      return True
+      try:
+        self._wait_orbax()
+        return True
+      finally:
+        self._ended(step)
 
     self._upload = self._uploader.submit(upload)
     return self._upload
@@ -334,6 +351,7 @@ class PersistentTier(UploadInFlight):
         self._wait_orbax()
         return True
       finally:
+        self._ended(step)
         release()
 
     self._upload_step, self._upload_started = step, None

@@ -387,9 +387,13 @@ class Commits:
 
   def _after_persistent(self, step: int) -> None:
     if not persistent_layout.wait_finalized(
-      self.persistent.directory, step, self._ctx.options.collective_timeout_s
+      self.persistent.directory,
+      step,
+      self._ctx.options.collective_timeout_s,
+      ended=lambda: self.persistent.upload_ended(step),
     ):
-      self.durable(step, "persistent", None, "not finalized in time")
+      if not self.persistent.upload_ended(step):  # else its upload reported its error
+        self.durable(step, "persistent", None, "not finalized in time")
       return
     failpoints.hit("persistent.after_finalize", step)
     self._records.persistent_final.put(step, True)
