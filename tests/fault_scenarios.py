@@ -422,6 +422,24 @@ def persistent_full_run(args: dict) -> dict:
   return out
 
 
+def state_write_fails_run(args: dict) -> dict:
+  """Saves args['steps'] (local every step), waiting after each and
+  recording wait_until_finished's errors (a process's failed state write,
+  from its EC_FAILPOINTS); then the committed steps and a restore."""
+  mesh = sc.mesh_for(args["slices"])
+  out: dict[str, Any] = {"process": me(), "errors": {}}
+  with ec.CheckpointManager(sc.options(args), mesh=mesh) as mngr:
+    for step in args["steps"]:
+      mngr.save(step, make_state(mesh, step), data_state=sc.data_state(step))
+      try:
+        mngr.wait_until_finished()
+      except ec.EmergencyCheckpointError as e:
+        out["errors"][step] = f"{type(e).__name__}: {e}"
+    out["all_steps"] = mngr.all_steps()
+    out["restored"] = _restore_record(mngr, mesh)
+  return out
+
+
 def lacking_copy_run(args: dict) -> dict:
   """Steps 1..args['steps'] every args['step_s'] (local every step, keep 1,
   persistent every 4th); the test slows process 1's state lane at step 3

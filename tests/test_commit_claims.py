@@ -225,3 +225,36 @@ def test_the_deferred_commit_lands_once_the_upload_is_finalized(module_shm_dir):
     r_ = r["restored"]
     assert r_["step"] == 4, r_
     assert not r_["mismatches"] and r_["data_state"] == r_["expected_data_state"], r_
+
+
+def test_a_failed_state_write_gives_its_step_up_at_once(module_shm_dir):
+  """Process 1's state write of step 3 fails (its bucket or disk): the step
+  can never commit. The primary once waited state_commit_timeout_s (600 s
+  here, the default) for its file, holding every later COMMIT, and the job
+  (timeout 120 s) timed out; now the failing process vetoes the step, the
+  primary gives it up at once, steps 4 and 5 commit and restore."""
+  root = os.path.join(module_shm_dir, "state-write")
+  args = {
+    "slices": 1,
+    "local_root": os.path.join(root, "local"),
+    "persistent": os.path.join(root, "persistent"),
+    "persistent_interval": 1000,
+    "state_commit_timeout_s": 600,
+    "steps": [1, 2, 3, 4, 5],
+  }
+  job = run_job(
+    "tests.fault_scenarios:state_write_fails_run",
+    2,
+    args,
+    env={1: {"EC_FAILPOINTS": "state.before_write@3:raise"}},
+    timeout_s=120,
+  )
+  assert job.returncodes == [0, 0], (job.returncodes, job.errors, job.logs[0][-3000:])
+  by = {r["process"]: r for r in job.results}
+  assert "failpoint state.before_write@3" in by[1]["errors"].get("3", ""), by[1]["errors"]
+  for r in job.results:
+    assert r["all_steps"][-2:] == [4, 5] and 3 not in r["all_steps"], r["all_steps"]
+    r_ = r["restored"]
+    assert r_["step"] == 5 and not r_["mismatches"], r_
+    assert r_["data_state"] == r_["expected_data_state"], r_
+  assert "vetoed" in job.logs[0], job.logs[0][-3000:]

@@ -257,6 +257,8 @@ class Commits:
         if written:
           self.retainer.claims.release(step)
         self.durable(step, "state", None, f"{type(e).__name__}: {e}")
+        if not topo.is_primary_process:  # the primary gives the step up at once
+          self._veto(step, quiet=True)  # (not after state_commit_timeout_s)
         raise
       # the primary's commit hint; the last writer wakes its wait
       collectives.count(WRITTEN.format(step), topo.process_count)
@@ -267,12 +269,24 @@ class Commits:
     if topo.is_primary_process:
       self._background.submit("commit", self._commit, write, step, sums, persistent)
 
-  def _veto(self, step: int) -> None:
+  def _veto(self, step: int, *, quiet: bool = False) -> None:
     """A non-primary process: `step` must not commit. The flag first: the
-    primary reads it once the count is full."""
+    primary reads it once the count is full. `quiet`: a failure to tell
+    the primary is logged, not raised (the caller raises its own error;
+    the primary then gives up after state_commit_timeout_s)."""
     collectives, topo = self._ctx.collectives, self._ctx.topology
-    collectives.signal(UNSAVED.format(step))
-    collectives.count(WRITTEN.format(step), topo.process_count)
+    try:
+      collectives.signal(UNSAVED.format(step))
+      collectives.count(WRITTEN.format(step), topo.process_count)
+    except Exception as e:
+      if not quiet:
+        raise
+      logger.warning(
+        "%s could not tell the primary that step %d will not commit: %s",
+        topo.log_prefix(),
+        step,
+        e,
+      )
 
   def _give_up(self, step: int, why: str) -> None:
     """The primary: `step` will not commit (`why`); its COMMIT is never written."""
@@ -311,7 +325,8 @@ class Commits:
         sums.let_go()
       self._give_up(
         step,
-        "a process vetoed it (its required redundancy copy is missing: see that process's log)",
+        "a process vetoed it (its required redundancy copy is missing, or its state write"
+        " failed: see that process's log)",
       )
       return False
     with self._storage_errors(f"committing step {step} in"):
