@@ -162,7 +162,7 @@ SCENARIOS: list[Scenario] = [
     _s(
       f"sick.bucket.{kind}",
       f"2 slices x 2 processes at 0.5 s per step, persistent every 3rd step: the bucket {how}"
-      " for 12 s (persistent.when_busy=skip)",
+      " for 20 s (persistent.when_busy=skip)",
       "every process trains >= 90% of its own pace during the outage and no save() waits for"
       " the bucket; health() and `emergency-ckpt report` name the skipped steps and the"
       " outage; a step saved after the outage reaches the bucket; each process's ramdisk"
