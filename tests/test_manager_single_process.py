@@ -304,7 +304,7 @@ def test_a_finalize_failing_after_its_callback_never_holds_the_commit_lane(
   finalization then fails (a full disk writing its metadata, seen in the
   full-disk runs) the commit lane once polled for the step's folder until
   collective_timeout_s (60 s here), holding every later COMMIT. It now stops
-  once the upload ended: step 4 fails promptly (named in health), step 8
+  once the upload failed: step 4 fails promptly (named in health), step 8
   commits and restores."""
   from emergency_ckpt.core import failpoints  # noqa: PLC0415
 

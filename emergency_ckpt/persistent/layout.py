@@ -86,7 +86,7 @@ def wait_finalized(
   timeout_s: float,
   ended: Callable[[], bool] = lambda: False,
 ) -> bool:
-  """Polls until a step is finalized, its upload ended without it, or a timeout.
+  """Polls until a step is finalized, its upload failed, or a timeout.
 
   Orbax runs its post-finalization callback BEFORE its rename / commit
   file: the step is not final then, and normally is shortly after. Polls
@@ -98,12 +98,12 @@ def wait_finalized(
     directory: the tensors/ folder.
     step: the step.
     timeout_s: how long to poll.
-    ended: whether the step's upload has ended (it finalizes the step
-      before it ends): once True, a step not finalized never will be (a
-      finalize that failed after Orbax's callback, e.g. a full disk).
+    ended: whether the step's upload failed: once True, a step not
+      finalized never will be (a finalize that failed after Orbax's
+      callback, e.g. a full disk).
 
   Returns:
-    True once finalized; False once its upload ended without it, or
+    True once finalized; False once its upload failed without it, or
     after `timeout_s`.
   """
   step_dir = layout.tensor_step_dir(directory, step)

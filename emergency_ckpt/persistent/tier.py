@@ -25,6 +25,7 @@ bytes stored (see PersistentTierOptions.compression).
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import logging
 import threading
@@ -99,7 +100,7 @@ class PersistentTier(UploadInFlight):
     self._upload: concurrent.futures.Future | None = None  # the last upload's, if any
     self._upload_step: int | None = None  # the step of the last upload started or queued
     self._upload_started: float | None = None  # time.monotonic() it began (None: queued)
-    self._ended_upto = -1  # the newest step whose upload ended (uploads run one at a time)
+    self._failed: collections.deque[int] = collections.deque(maxlen=16)  # uploads that failed
     self._uploader = SerialExecutor("ec-persistent-upload")  # a daemon: see runtime/serial.py
     # Every process, before anything waits on another: a missing bucket fails
     # each of them at once, naming it (on GCS; no-op elsewhere).
@@ -145,17 +146,16 @@ class PersistentTier(UploadInFlight):
       self._on_finalized(step)
       failpoints.hit("persistent.finalize_callback", step)  # before Orbax's rename
 
-  def _ended(self, step: int) -> None:
-    self._ended_upto = max(self._ended_upto, step)
-
-  def upload_ended(self, step: int) -> bool:
-    """Whether the upload of `step` has ended: finalized (before it ends),
-    failed, or not started. Any thread may call it; blocks on nothing.
+  def upload_failed(self, step: int) -> bool:
+    """Whether this process's upload of `step` failed (it will never be
+    finalized by this upload; on another process of the primary slice a
+    successful upload may still wait for the primary's rename). Any thread
+    may call it; blocks on nothing.
 
     Args:
       step: a step whose upload started.
     """
-    return self._ended_upto >= step
+    return step in self._failed
 
   def steps(self) -> list[int]:
     """The committed (finalized) steps, oldest first. Any process may call it.
@@ -289,9 +289,10 @@ class PersistentTier(UploadInFlight):
     def upload() -> bool:  # Orbax uploads in its own threads: wait for them here
       try:
         self._wait_orbax()
-        return True
-      finally:
-        self._ended(step)
+      except BaseException:
+        self._failed.append(step)
+        raise
+      return True
 
     self._upload = self._uploader.submit(upload)
     return self._upload
@@ -347,11 +348,14 @@ class PersistentTier(UploadInFlight):
         go, arrays = self._prepare(step, make_tree, confirm)
         if not go:
           return False
-        self._start(step, arrays)
-        self._wait_orbax()
+        try:
+          self._start(step, arrays)
+          self._wait_orbax()
+        except BaseException:
+          self._failed.append(step)
+          raise
         return True
       finally:
-        self._ended(step)
         release()
 
     self._upload_step, self._upload_started = step, None

@@ -405,9 +405,9 @@ class Commits:
       self.persistent.directory,
       step,
       self._ctx.options.collective_timeout_s,
-      ended=lambda: self.persistent.upload_ended(step),
+      ended=lambda: self.persistent.upload_failed(step),
     ):
-      if not self.persistent.upload_ended(step):  # else its upload reported its error
+      if not self.persistent.upload_failed(step):  # else its upload reported its error
         self.durable(step, "persistent", None, "not finalized in time")
       return
     failpoints.hit("persistent.after_finalize", step)
