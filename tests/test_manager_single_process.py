@@ -329,3 +329,27 @@ def test_a_finalize_failing_after_its_callback_never_holds_the_commit_lane(
     r = mngr.restore(_abstract(mesh))
   assert (r.step, r.source) == (8, "persistent")
   np.testing.assert_array_equal(np.asarray(r.state["w"]), np.full((4, 2), 8.0, np.float32))
+
+
+@pytest.mark.parametrize(
+  ("tier", "where"), [("local", "file"), ("persistent", "file"), ("persistent", "under_a_file")]
+)
+def test_an_unusable_directory_is_named_with_its_option_and_fix(options, mesh, tier, where):
+  """A tier's folder that cannot be made (a file in its place, or under
+  one): StorageError naming the option, the path, the OS error and the fix
+  at construction, not a raw OSError from deep inside (was: FileExistsError
+  from the local tier's makedirs, NotADirectoryError from a listing)."""
+  base = os.path.dirname(options.local.directory)
+  blocker = os.path.join(base, "a-file")
+  with open(blocker, "w") as f:
+    f.write("not a folder")
+  path = blocker if where == "file" else os.path.join(blocker, "sub")
+  tier_options = dataclasses.replace(getattr(options, tier), directory=path)
+  options = dataclasses.replace(options, **{tier: tier_options})
+  with pytest.raises(ec.StorageError) as e:
+    ec.CheckpointManager(options, mesh=mesh)
+  text = str(e.value)
+  assert f"{tier}.directory" in text and repr(path) in text, text
+  assert "Errno" in text and "Fix: point" in text, text
+  assert isinstance(e.value.__cause__, OSError)
+  assert os.path.isfile(blocker)  # nothing written over it

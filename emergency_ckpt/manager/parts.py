@@ -23,9 +23,11 @@ Called by: CheckpointManager (manager/__init__.py) only.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from etils import epath
@@ -39,9 +41,11 @@ from emergency_ckpt.core.records import StepRecords
 from emergency_ckpt.core.telemetry import EventLog
 from emergency_ckpt.errors import (
   CollectiveTimeoutError,
+  EmergencyCheckpointError,
   InvalidOptionsError,
   PendingWorkTimeoutError,
   ProtectedStepError,
+  StorageError,
 )
 from emergency_ckpt.local.tier import LocalTier
 from emergency_ckpt.persistent import admission
@@ -84,6 +88,27 @@ CLOSE_ORDER = (
 KEY_DELETE_WAIT_S = 5.0
 """close() waits at most this long for the primary's queued key deletions
 (Collectives: they only free the coordination service's memory)."""
+
+
+_PERSISTENT_FIX = (
+  "point persistent.directory at a folder this user may create and write (a shared"
+  " filesystem or gs://bucket/path)"
+)
+
+
+@contextlib.contextmanager
+def _directory_errors(option: str, path: str, fix: str) -> Iterator[None]:
+  """A tier's folder that cannot be made or read at start-up (a file in
+  its place, a read-only or missing mount): StorageError naming the option,
+  the path, the OS error and the fix, not the raw OSError."""
+  try:
+    yield
+  except EmergencyCheckpointError:
+    raise
+  except OSError as e:
+    raise StorageError(
+      f"{option} {path!r} cannot be used: {type(e).__name__}: {e}. Fix: {fix}."
+    ) from e
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -142,13 +167,19 @@ class Parts:
       keep_buffers=options.local.keep_staging_buffer,
     )
     orbax = OrbaxLoader(background, topo.log_prefix())
-    local = LocalTier(
-      options.local,
-      run_id=run_id,
-      topology=topo,
-      background=background,
-      orbax_ready=orbax.imported,
-    )
+    with _directory_errors(
+      "local.directory",
+      options.local.directory,
+      "point local.directory at a folder this user may create and write, on a node-local"
+      " ramdisk (e.g. /dev/shm/<job>)",
+    ):
+      local = LocalTier(
+        options.local,
+        run_id=run_id,
+        topology=topo,
+        background=background,
+        orbax_ready=orbax.imported,
+      )
     root = epath.Path(options.persistent.directory)
     state = StateStore(
       layout.state_dir(root), process_index=topo.process_index, process_count=topo.process_count
@@ -165,14 +196,15 @@ class Parts:
       events=events,
       health=HealthTracker(tracked),
     )
-    commits = Commits(
-      ctx,
-      local=local,
-      state=state,
-      records=records,
-      background=background,
-      orbax_ready=orbax.ready,
-    )
+    with _directory_errors("persistent.directory", options.persistent.directory, _PERSISTENT_FIX):
+      commits = Commits(
+        ctx,
+        local=local,
+        state=state,
+        records=records,
+        background=background,
+        orbax_ready=orbax.ready,
+      )
     # run.json is read at start only where a chosen interval plans with the run's failures
     history = _history(root, run_id) if topo.is_primary_process and managed(options) else None
     tiers = dict(local=local, persistent=commits.persistent, state=state)
@@ -214,7 +246,8 @@ class Parts:
       inventory=Inventory(ctx, host=host, **tiers),
       restorer=Restorer(ctx, staging=staging, orbax_start=orbax.start, **tiers),
     )
-    parts._started(root, history)
+    with _directory_errors("persistent.directory", options.persistent.directory, _PERSISTENT_FIX):
+      parts._started(root, history)  # the primary writes run.json there
     return parts
 
   def _started(self, root: epath.Path, history: FailureHistory | None) -> None:
