@@ -231,11 +231,11 @@ def test_list_steps_filesystem(tmp_path):
   assert not persistent_layout.is_finalized(layout.tensor_step_dir(tensors, 8))
   assert persistent_layout.wait_finalized(tensors, 7, timeout_s=0.1)
   assert not persistent_layout.wait_finalized(tensors, 8, timeout_s=0.05)
-  # its upload ended without finalizing it: no wait for the timeout
+  # its upload failed without finalizing it: no wait for the timeout
   t0 = time.monotonic()
-  assert not persistent_layout.wait_finalized(tensors, 8, timeout_s=60, ended=lambda: True)
+  assert not persistent_layout.wait_finalized(tensors, 8, timeout_s=60, failed=lambda: True)
   assert time.monotonic() - t0 < 30
-  assert persistent_layout.wait_finalized(tensors, 7, timeout_s=60, ended=lambda: True)
+  assert persistent_layout.wait_finalized(tensors, 7, timeout_s=60, failed=lambda: True)
 
 
 def test_delete_step_bytes_cleanup(tmp_path):

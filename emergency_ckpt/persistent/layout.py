@@ -84,7 +84,7 @@ def wait_finalized(
   directory: epath.PathLike,
   step: int,
   timeout_s: float,
-  ended: Callable[[], bool] = lambda: False,
+  failed: Callable[[], bool] = lambda: False,
 ) -> bool:
   """Polls until a step is finalized, its upload failed, or a timeout.
 
@@ -98,7 +98,7 @@ def wait_finalized(
     directory: the tensors/ folder.
     step: the step.
     timeout_s: how long to poll.
-    ended: whether the step's upload failed: once True, a step not
+    failed: whether the step's upload failed: once True, a step not
       finalized never will be (a finalize that failed after Orbax's
       callback, e.g. a full disk).
 
@@ -111,7 +111,7 @@ def wait_finalized(
   deadline = start + timeout_s
   poll = 0.01
   while not is_finalized(step_dir):
-    if ended() and not is_finalized(step_dir):
+    if failed() and not is_finalized(step_dir):
       return False
     if time.monotonic() > deadline:
       return False

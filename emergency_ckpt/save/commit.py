@@ -405,7 +405,7 @@ class Commits:
       self.persistent.directory,
       step,
       self._ctx.options.collective_timeout_s,
-      ended=lambda: self.persistent.upload_failed(step),
+      failed=lambda: self.persistent.upload_failed(step),
     ):
       if not self.persistent.upload_failed(step):  # else its upload reported its error
         self.durable(step, "persistent", None, "not finalized in time")
