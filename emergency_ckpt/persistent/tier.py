@@ -287,15 +287,10 @@ class PersistentTier(UploadInFlight):
     self._start(step, tree)
 
     def upload() -> bool:  # Orbax uploads in its own threads: wait for them here
-      try:
-        self._wait_orbax()
-      except BaseException:
-        self._failed.append(step)
-        raise
+      self._wait_orbax()
       return True
 
-    self._upload = self._uploader.submit(upload)
-    return self._upload
+    return self._submit(step, upload)
 
   def save_snapshot(
     self,
@@ -348,18 +343,25 @@ class PersistentTier(UploadInFlight):
         go, arrays = self._prepare(step, make_tree, confirm)
         if not go:
           return False
-        try:
-          self._start(step, arrays)
-          self._wait_orbax()
-        except BaseException:
-          self._failed.append(step)
-          raise
+        self._start(step, arrays)
+        self._wait_orbax()
         return True
       finally:
         release()
 
     self._upload_step, self._upload_started = step, None
+    return self._submit(step, upload)
+
+  def _submit(self, step: int, upload: Callable[[], bool]) -> concurrent.futures.Future:
+    """Runs `upload` of `step` on the upload thread; a failure is recorded
+    for upload_failed()."""
+
+    def record(future: concurrent.futures.Future) -> None:
+      if not future.cancelled() and future.exception() is not None:
+        self._failed.append(step)
+
     self._upload = self._uploader.submit(upload)
+    self._upload.add_done_callback(record)
     return self._upload
 
   def delete(self, step: int) -> None:
