@@ -123,6 +123,28 @@ def test_restore_prepares_the_first_saves_staging_buffer(options, mesh, how):
     assert mngr.latest_step() == 2
 
 
+def test_a_restore_starts_its_background_work_only_as_it_returns(options, mesh, monkeypatch):
+  """The next save's staging buffer (its layout: milliseconds of Python per
+  thousand leaves) is prepared once the restore's own work is done, the
+  data state included: a thread running Python beside the restore would
+  halve its pace. A restored step prepares it too."""
+  with ec.CheckpointManager(options, mesh=mesh) as mngr:
+    mngr.save(2, _state(mesh, 2.0))
+    mngr.wait_until_finished()
+  order = []
+  with ec.CheckpointManager(options, mesh=mesh) as mngr:
+    parts = mngr._parts
+    for obj, name in ((parts.restorer, "with_data_state"), (parts.staging, "prepare")):
+      real = getattr(obj, name)
+      monkeypatch.setattr(
+        obj, name, lambda *a, _real=real, _name=name, **k: order.append(_name) or _real(*a, **k)
+      )
+    r = mngr.restore(_abstract(mesh))
+    assert order == ["with_data_state", "prepare"]
+    mngr.wait_until_finished()
+    assert r.step == 2 and len(mngr._staging._pool._free) == 1
+
+
 def test_background_work_waits_for_a_colocated_save(options, mesh, monkeypatch):
   """While another process of this job on this machine is inside save(),
   this process's save() returns at once, but its ramdisk write and its

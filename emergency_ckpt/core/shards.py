@@ -21,7 +21,7 @@ import functools
 import math
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -296,6 +296,49 @@ def _built(cls, **fields):
   return obj
 
 
+class ReadPlan(NamedTuple):
+  """What a reader of one leaf needs of its (sharding, shape, dtype):
+  read_plan's, once per distinct triple (a state of thousands of leaves
+  has a few). Its lists are the JSON a manifest records, compared with a
+  record as they are; never changed."""
+
+  dtype: np.dtype
+  dtype_name: str
+  """As manifests record it (dtype_name)."""
+  shape_json: list[int]
+  slots: tuple[tuple[Index, list[list[int]], int, tuple[int, ...]], ...]
+  """Per unique addressable shard, in index order: (index, the index as
+  JSON, its bytes, the shape of its array: the leaf's own where whole)."""
+
+
+@functools.lru_cache(maxsize=256)
+def read_plan(sharding, shape: tuple[int, ...], dtype) -> ReadPlan:
+  """The ReadPlan of a leaf (cached).
+
+  Args:
+    sharding: its sharding.
+    shape: its global shape.
+    dtype: its dtype.
+
+  Returns:
+    The plan: the same slots, in the same order, as layout_for's.
+  """
+  np_dtype = _np_dtype(dtype)
+  indices = sorted(
+    {normalize_index(i, shape) for i in sharding.addressable_devices_indices_map(shape).values()}
+  )
+  slots = tuple(
+    (
+      index,
+      [list(box) for box in index],
+      math.prod(shard_shape(index)) * np_dtype.itemsize,
+      shard_shape(index),
+    )
+    for index in indices
+  )
+  return ReadPlan(np_dtype, dtype_name(dtype), list(shape), slots)
+
+
 def _checked_spec(sharding, shape, by_index: dict[Index, list[Any]]) -> list | None:
   """spec_of(sharding), if block_index gives every device of this process
   the index JAX gives it; else None (not reshardable)."""
@@ -373,6 +416,22 @@ def layout_for(paths: Sequence[str], leaves: Sequence[Any]) -> Layout:
 _LAST: dict[tuple[str, ...], tuple[tuple, Layout]] = {}
 _LAST_KEEP = 16
 _LAST_LOCK = threading.Lock()
+
+
+def state_nbytes(leaves: Sequence[Any]) -> int:
+  """The global bytes of leaves (anything with .shape and .dtype): what a
+  step of them holds across every process.
+
+  Args:
+    leaves: the leaves.
+
+  Returns:
+    Their bytes.
+  """
+  total = 0
+  for x in leaves:
+    total += math.prod(x.shape) * _np_dtype(x.dtype).itemsize
+  return total
 
 
 @functools.lru_cache(maxsize=64)

@@ -165,7 +165,9 @@ def _parts(raw: bytes) -> tuple[bytes | None, bytes] | None:
   return (head, body) if zlib.crc32(body) == int(tail[1]) else None
 
 
-def decode_manifest(raw: bytes, where: str, *, leaves: bool = True) -> dict:
+def decode_manifest(
+  raw: bytes, where: str, *, leaves: bool = True, check_leaves: bool = True
+) -> dict:
   """The body of a manifest file's bytes, checked.
 
   Args:
@@ -178,6 +180,11 @@ def decode_manifest(raw: bytes, where: str, *, leaves: bool = True) -> dict:
       against the body). A manifest written without a head is parsed
       whole, and its body handed on to the next whole decode of the same
       bytes (the step's read), which then parses nothing.
+    check_leaves: False (with leaves): every check but the per-leaf ones
+      (schema.check_manifest's): the caller checks each leaf record it
+      reads as strictly (read.read_step's, which checks every leaf while
+      it reads the step, and calls check_manifest where one is not the
+      common case).
 
   Returns:
     The body (leaves=False: its head).
@@ -200,8 +207,10 @@ def decode_manifest(raw: bytes, where: str, *, leaves: bool = True) -> dict:
     return body if leaves else _head_of(body)
   if body is None:
     body = _decode(raw, where)
-  if not leaves:  # not remembered as checked: only these bytes' full check is
+  if not leaves or not check_leaves:  # not remembered: only these bytes' full check is
     check_manifest_head(body, where)
+    if leaves:
+      return body
     if len(raw) <= _PARKED_MAX_BYTES:
       _remember(_PARKED, raw, body, _PARKED_KEEP)
     return _head_of(body)
@@ -286,12 +295,12 @@ _CHECKED_MAX_BYTES = 16 << 20
 _CHECKED_LOCK = threading.Lock()
 
 
-def read_manifest(step_dir: str, *, leaves: bool = True) -> dict:
+def read_manifest(step_dir: str, *, leaves: bool = True, check_leaves: bool = True) -> dict:
   """decode_manifest of a step folder's manifest.
 
   Args:
     step_dir: the step's folder.
-    leaves: as decode_manifest's.
+    leaves, check_leaves: as decode_manifest's.
 
   Returns:
     The body.
@@ -302,7 +311,7 @@ def read_manifest(step_dir: str, *, leaves: bool = True) -> dict:
   """
   path = os.path.join(step_dir, MANIFEST)
   with open(path, "rb") as f:
-    return decode_manifest(f.read(), path, leaves=leaves)
+    return decode_manifest(f.read(), path, leaves=leaves, check_leaves=check_leaves)
 
 
 def raw_manifest(step_dir: str) -> bytes:

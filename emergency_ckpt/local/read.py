@@ -18,6 +18,7 @@ from emergency_ckpt.core import compat
 from emergency_ckpt.core import shards as shards_lib
 from emergency_ckpt.errors import CorruptCheckpointError, TopologyMismatchError
 from emergency_ckpt.local import format as local_format
+from emergency_ckpt.local import schema as local_schema
 from emergency_ckpt.local.format import LocalStep
 
 
@@ -52,16 +53,19 @@ def read_step(
     TopologyMismatchError: a needed shard absent.
     StateMismatchError: tree, shape or dtype differ.
   """
-  body = local_format.read_manifest(where)
+  body = local_format.read_manifest(where, check_leaves=abstract is None)
   if abstract is None:
     buf = _map(where, body, on_map)
     return LocalStep(body["step"], body, verify_buffer(body, buf, where, check=verify))
   if paths is None:
     paths, abstract, _ = shards_lib.leaf_paths(abstract)
-  compat.check_tree([leaf["path"] for leaf in body["leaves"]], paths, where)
-  shard_layout = shards_lib.layout_for(paths, abstract)
   buf = _map(where, body, on_map)
-  return LocalStep(body["step"], body, _verified_shards(body, buf, shard_layout, where))
+  arrays = _read_common(body, buf, paths, abstract, where)
+  if arrays is None:  # not the common case: each check apart, naming what is wrong
+    local_schema.check_manifest(body, where)
+    compat.check_tree([leaf["path"] for leaf in body["leaves"]], paths, where)
+    arrays = _verified_shards(body, buf, shards_lib.layout_for(paths, abstract), where)
+  return LocalStep(body["step"], body, arrays)
 
 
 def _map(where: str, body: dict, on_map) -> Any:
@@ -100,6 +104,81 @@ def verify_buffer(
           f"{where}/{local_format.SHARDS}: leaf {leaf['path']} shard {index} fails its checksum"
         )
       arrays[index] = data.view(dtype).reshape(shards_lib.shard_shape(index))
+    out.append(arrays)
+  return out
+
+
+def _read_common(
+  body: dict, buf: np.ndarray, paths: Sequence[str], abstract: Sequence[Any], where: str
+) -> list[dict[shards_lib.Index, np.ndarray]] | None:
+  """_verified_shards of a manifest whose leaves are not checked yet, in one
+  pass: each leaf record checked as strictly as schema.check_manifest
+  checks it, and found to be the caller's leaf (path, shape, dtype: equal
+  to what the caller's leaf makes them), its shards verified and handed
+  out. A state of thousands of leaves then pays one loop of a few dict
+  lookups per leaf, instead of one per check.
+
+  Returns:
+    As _verified_shards; None where a record is not that common case (a
+    malformed field, a mismatched leaf, a shard the caller's sharding does
+    not hold, a checksum of manifests before 0.2): the caller then checks
+    and reads the step the long way, which names what is wrong.
+
+  Raises:
+    CorruptCheckpointError: a shard of a well-formed record fails its
+      checksum.
+  """
+  records = body["leaves"]  # a list: the head check saw to it
+  if len(records) != len(paths) or len(set(paths)) != len(paths):
+    return None
+  total = body["nbytes"]
+  crc = local_format.crc32c_of
+  raw = memoryview(buf)  # its slices cost less than an array's
+  shard_ok = local_schema.shard_ok
+  out = []
+  key = plan = itemsize = None
+  for rec, path, leaf in zip(records, paths, abstract):
+    k = (leaf.sharding, leaf.shape, leaf.dtype)
+    if k != key:  # a state's leaves come in runs of one kind: few lookups
+      key, plan = k, shards_lib.read_plan(*k)
+      itemsize = local_schema.dtype_size(plan.dtype_name)
+      if itemsize is None:
+        return None
+    if (
+      type(rec) is not dict
+      or rec.get("path") != path
+      or rec.get("dtype") != plan.dtype_name
+      or rec.get("shape") != plan.shape_json
+    ):
+      return None
+    shape = rec["shape"]
+    for d in shape:  # equal to the plan's ints; a JSON true would compare equal to 1
+      if type(d) is not int:
+        return None
+    if "spec" in rec and not local_schema.spec_ok(rec["spec"], len(shape)):
+      return None
+    records_of = rec.get("shards")
+    if type(records_of) is not list:
+      return None
+    for s in records_of:
+      if not shard_ok(s, shape, itemsize, total):
+        return None
+    arrays = {}
+    for index, index_json, nbytes, shard_shape in plan.slots:
+      if len(records_of) == 1 and records_of[0]["index"] == index_json:
+        s = records_of[0]
+      else:
+        s = next((r for r in records_of if r["index"] == index_json), None)
+        if s is None:
+          return None
+      offset = s["offset"]
+      if s["nbytes"] != nbytes or "crc32c" not in s:
+        return None
+      if crc(raw[offset : offset + nbytes]) != s["crc32c"]:
+        raise CorruptCheckpointError(
+          f"{where}/{local_format.SHARDS}: leaf {path} shard {index} fails its checksum"
+        )
+      arrays[index] = np.ndarray(shard_shape, plan.dtype, buf, offset)
     out.append(arrays)
   return out
 

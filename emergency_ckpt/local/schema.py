@@ -127,39 +127,54 @@ def _leaf_ok(leaf: Any, total: int) -> bool:
   for d in shape:  # a loop, not all(): no generator per leaf
     if type(d) is not int or d < 0:
       return False
-  itemsize = _dtype_size(dtype)
+  itemsize = dtype_size(dtype)
   if itemsize is None:
     return False
-  if "spec" in leaf:
-    spec = leaf["spec"]
-    if type(spec) is not list or len(spec) != len(shape):
-      return False
-    for entry in spec:
-      if entry is not None and (type(entry) is not list or not all(type(a) is str for a in entry)):
-        return False
-  rank = len(shape)
+  if "spec" in leaf and not spec_ok(leaf["spec"], len(shape)):
+    return False
   for sh in shards:
-    if type(sh) is not dict:
-      return False
-    index, offset, nbytes = sh.get("index"), sh.get("offset"), sh.get("nbytes")
-    if type(index) is not list or len(index) != rank:
-      return False
-    if type(offset) is not int or type(nbytes) is not int:
-      return False
-    count = 1
-    for box, dim in zip(index, shape):
-      if type(box) is not list or len(box) != 2:
-        return False
-      lo, hi = box
-      if type(lo) is not int or type(hi) is not int or not 0 <= lo <= hi <= dim:
-        return False
-      count *= hi - lo
-    if nbytes != count * itemsize or offset < 0 or offset + nbytes > total:
-      return False
-    # Absent: 0 (an int); present: an int, or the leaf takes the slow checks.
-    if type(sh.get("crc32c", 0)) is not int or type(sh.get("crc32", 0)) is not int:
+    if not shard_ok(sh, shape, itemsize, total):
       return False
   return True
+
+
+def spec_ok(spec: Any, rank: int) -> bool:
+  """True if a leaf record's "spec" passes check_manifest's checks: per
+  dimension None or a list of mesh axis names. Called by: check_manifest,
+  and readers checking a record themselves (local/read.py)."""
+  if type(spec) is not list or len(spec) != rank:
+    return False
+  for entry in spec:
+    if entry is not None and (type(entry) is not list or not all(type(a) is str for a in entry)):
+      return False
+  return True
+
+
+def shard_ok(sh: Any, shape: list[int], itemsize: int, total: int) -> bool:
+  """True if a shard record passes every check check_manifest makes of it
+  (a box of the leaf's rank inside `shape`, its size what the box and
+  `itemsize` make, inside a file of `total` bytes, integer checksums);
+  False: check_manifest names what is wrong. Called by: check_manifest,
+  and readers checking a record themselves (local/read.py)."""
+  if type(sh) is not dict:
+    return False
+  index, offset, nbytes = sh.get("index"), sh.get("offset"), sh.get("nbytes")
+  if type(index) is not list or len(index) != len(shape):
+    return False
+  if type(offset) is not int or type(nbytes) is not int:
+    return False
+  count = 1
+  for box, dim in zip(index, shape):
+    if type(box) is not list or len(box) != 2:
+      return False
+    lo, hi = box
+    if type(lo) is not int or type(hi) is not int or not 0 <= lo <= hi <= dim:
+      return False
+    count *= hi - lo
+  if nbytes != count * itemsize or offset < 0 or offset + nbytes > total:
+    return False
+  # Absent: 0 (an int); present: an int, or the leaf takes the slow checks.
+  return type(sh.get("crc32c", 0)) is int and type(sh.get("crc32", 0)) is int
 
 
 def check_topology(fp: dict, where: str) -> None:
@@ -199,7 +214,8 @@ def _check_shard(s: Any, shape: list[int], itemsize: int, total: int, where: str
 
 
 @functools.lru_cache(maxsize=64)
-def _dtype_size(name: str) -> int | None:
+def dtype_size(name: str) -> int | None:
+  """The itemsize of a dtype name a manifest may record; None: not one."""
   if not _DTYPE_NAME.fullmatch(name):
     return None
   try:
@@ -212,7 +228,7 @@ def _dtype_size(name: str) -> int | None:
 
 
 def _itemsize(name: str, where: str) -> int:
-  size = _dtype_size(name)
+  size = dtype_size(name)
   if size is None:
     raise CorruptCheckpointError(f"{where}: unknown dtype {name!r:.80}")
   return size

@@ -274,8 +274,9 @@ class CheckpointManager:
     Called by: every process. Blocks on: background saves, one inventory
     exchange, this process's local read, one status exchange per tried
     step, then nothing more (every slice intact), one cross-slice transfer
-    (a slice lost its copy) or a persistent read (no slice has it). Then
-    it prepares the next save's staging buffer in the background.
+    (a slice lost its copy) or a persistent read (no slice has it). As it
+    returns it starts, in the background, Orbax's load and the next save's
+    staging buffer.
     Training goes on from the restored step, so what is held of newer steps
     and cannot be restored (local copies, persistent tensors without
     committed state or found damaged, state without COMMIT) is deleted
@@ -313,22 +314,29 @@ class CheckpointManager:
     """
     self._check_open()
     t0 = time.monotonic()
-    result = None
+    parts = self._parts
+    result = got = None
+    began = False
     try:
       check_data_state_target(data_state)
-      parts = self._parts
       parts.wait_saves()
       t1 = time.monotonic()
-      try:
-        job = parts.inventory.exchange("restore")
-        before = {"wait_saves": t1 - t0, "inventory": time.monotonic() - t1}
-        got = parts.restorer.restore(abstract_state, job, step, t0, before)
-      finally:  # every process, all up: Orbax's set-up barrier starts off the restore path
-        parts.orbax.start()
+      began = True
+      job = parts.inventory.exchange("restore")
+      before = {"wait_saves": t1 - t0, "inventory": time.monotonic() - t1}
+      got = parts.restorer.restore(abstract_state, job, step, t0, before)
       self._last_step = got.step
-      parts.retainer.after_restore()  # what a killed run's last passes left
       result = parts.restorer.with_data_state(got, data_state, data_state_remap)
     finally:
+      # The background work a restore leaves starts once it is done, not
+      # while it runs (a thread running Python beside it halves its pace):
+      # on every process, all up, Orbax's load and set-up barrier; the pass
+      # a killed run's last retention left; the next save's staging buffer.
+      if began:
+        parts.orbax.start()
+        if got is not None:
+          parts.retainer.after_restore()
+        parts.restorer.start_background()
       self._goodput.restored(t0, ok=result is not None)
     return result
 

@@ -178,7 +178,7 @@ def read_shared(
   """
   paths, abstract, _ = shards_lib.leaf_paths(abstract_tree)
   layout = shards_lib.layout_for(paths, abstract)
-  model_bytes = sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in abstract)
+  model_bytes = shards_lib.state_nbytes(abstract)
   mine, pulls = routing.plan_split(
     layout,
     np.asarray(mesh.devices),

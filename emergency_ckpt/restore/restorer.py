@@ -21,15 +21,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from emergency_ckpt import transport as peer
 from emergency_ckpt.core import gc_pause
+from emergency_ckpt.core import shards as shards_lib
 from emergency_ckpt.errors import (
   CorruptCheckpointError,
   DataStateError,
@@ -94,7 +92,8 @@ class Restorer:
     local: this process's local tier.
     persistent: the persistent tier.
     state: the state store.
-    staging: the staging area (a restore prepares the next save's buffer).
+    staging: the staging area (start_background prepares the next save's
+      buffer).
     orbax_start: starts Orbax's load (OrbaxLoader.start), whose set-up is a
       barrier of every process: every process calls it before a plan that
       reads the persistent tier, whether or not it reads itself.
@@ -104,6 +103,7 @@ class Restorer:
     self._state = state
     self._staging = staging
     self._orbax_start = orbax_start
+    self._last_target: Target | None = None
     self._persistent = persistent
     self._sources = Sources(ctx, local=local, persistent=persistent, state=state)
 
@@ -117,8 +117,8 @@ class Restorer:
   ) -> RestoreResult:
     """Restores the newest restorable step (or `step`) of `job` onto
     abstract_state's shardings. Either way (unless mismatched) it records a
-    restore event and prepares the next save's staging buffer in the
-    background, while the trainer goes on. Called by: every process.
+    restore event and leaves the next save's staging buffer to
+    start_background. Called by: every process.
 
     Args:
       abstract_state: the tree to restore onto.
@@ -142,15 +142,25 @@ class Restorer:
     target = Target.of(abstract_state)
     clock = PhaseClock(phases)
     out, tried = self._restore(target, job, step, clock)
-    self._staging.prepare(target.paths, target.abstract)
+    self._last_target = target  # start_background prepares its save
     if out is None:
       error = self._absence(job, step, tried)
       self._record(started, None, None, 0, tried, str(error), clock)
       raise error
     abstract = target.abstract
-    nbytes = int(sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in abstract))
+    nbytes = shards_lib.state_nbytes(abstract)
     self._record(started, out.step, out.source, nbytes, tried, None, clock)
     return dataclasses.replace(out, phases=clock.rounded())
+
+  def start_background(self) -> None:
+    """Starts what the last restore() leaves to the background (once): the
+    next save's staging buffer for its tree (its layout, allocated and
+    faulted in). Called by: the manager, as its restore() returns, so that
+    this work does not share the cores (and the GIL) with the restore.
+    Blocks on nothing."""
+    target, self._last_target = self._last_target, None
+    if target is not None:
+      self._staging.prepare(target.paths, target.abstract)
 
   def _record(
     self,
