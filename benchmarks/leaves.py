@@ -13,9 +13,10 @@ warm-up save, then SAVES saves of distinct steps, each timed alone:
 - durable: save() plus wait_until_finished() (the step is on the ramdisk),
   median;
 - restore: a fresh manager restoring the newest step (source "local"),
-  median of RESTORES; the restore() call only (the manager is opened
-  first), with this process's per-structure caches emptied before each
-  (a restarted process has none).
+  median of RESTORES; the restore() call and block_until_ready of its
+  state (the manager is opened first), with this process's per-structure
+  caches emptied and the earlier restore's state released before each
+  (a restarted process has neither).
 
 Orbax: orbax.checkpoint.CheckpointManager on its own /dev/shm folder, a
 StandardSave of the same tree (async, its default): its save() call, save()
@@ -86,8 +87,9 @@ def _ours(root: str, mesh, n: int, mib: int) -> dict:
       durable.append(t2 - t0)
   abstract = _abstract(trees[0])
   last = 1 + SAVES
-  restore = []
+  restore, r = [], None
   for _ in range(RESTORES):
+    r = None  # a restarted process holds no earlier state: its release is not timed
     _cold()
     with ec.CheckpointManager(opts, mesh=mesh) as mngr:
       t0 = time.perf_counter()
@@ -131,8 +133,9 @@ def _orbax(root: str, mesh, n: int, mib: int) -> dict:
       stall.append(t1 - t0)
       durable.append(t2 - t0)
   abstract = _abstract(trees[0])
-  restore = []
+  restore, got = [], None
   for _ in range(RESTORES):
+    got = None  # as for ours: the earlier restore's release is not timed
     with ocp.CheckpointManager(path) as mngr:
       t0 = time.perf_counter()
       got = mngr.restore(mngr.latest_step(), args=ocp.args.StandardRestore(abstract))

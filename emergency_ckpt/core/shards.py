@@ -248,8 +248,12 @@ def _layout_cached(key) -> Layout:
   # indices, sizes and devices, the spec check, the leaf's global bytes.
   plans: dict[tuple, tuple] = {}
   placed: dict[tuple, tuple] = {}  # (sharding, shape): (by_index, spec)
+  new = object.__new__
+  last = plan = None
   for path, shape, dtype, sharding in key:
-    plan = plans.get((sharding, shape, dtype))
+    if last is None or sharding is not last[0] or shape != last[1] or dtype is not last[2]:
+      last = (sharding, shape, dtype)
+      plan = plans.get(last)
     if plan is None:
       known = placed.get((sharding, shape))
       if known is None:
@@ -259,41 +263,38 @@ def _layout_cached(key) -> Layout:
         known = placed[(sharding, shape)] = (by_index, _checked_spec(sharding, shape, by_index))
       by_index, spec = known
       slots = tuple(
-        (index, math.prod(shard_shape(index)) * dtype.itemsize, tuple(by_index[index]))
+        (
+          index,
+          math.prod(shard_shape(index)) * dtype.itemsize,
+          tuple(by_index[index]),
+          -(-math.prod(shard_shape(index)) * dtype.itemsize // ALIGN) * ALIGN,
+        )
         for index in sorted(by_index)
       )
-      plan = plans[(sharding, shape, dtype)] = (
+      plan = plans[last] = (
         slots,
         spec,
         math.prod(shape) * dtype.itemsize,
-        all(d.platform == "cpu" for _, _, devices in slots for d in devices),
+        all(d.platform == "cpu" for _, _, devices, _ in slots for d in devices),
         len(slots) == 1 and shard_shape(slots[0][0]) == tuple(shape),
       )
     slots, spec, leaf_nbytes, leaf_on_cpu, leaf_whole = plan
     placed_slots = []
-    for index, nbytes, devices in slots:
-      placed_slots.append(
-        _built(ShardSlot, index=index, offset=offset, nbytes=nbytes, devices=devices)
-      )
-      offset += -(-nbytes // ALIGN) * ALIGN
+    # Frozen dataclasses built without their generated __init__ (one
+    # object.__setattr__ per field): a third of the cost, for the
+    # thousands of slots and leaves of a cold layout.
+    for index, nbytes, devices, aligned in slots:
+      slot = new(ShardSlot)
+      slot.__dict__.update(index=index, offset=offset, nbytes=nbytes, devices=devices)
+      placed_slots.append(slot)
+      offset += aligned
     state_nbytes += leaf_nbytes
     on_cpu = on_cpu and leaf_on_cpu
-    leaves.append(
-      _built(
-        LeafLayout, path=path, shape=tuple(shape), dtype=dtype, slots=tuple(placed_slots), spec=spec
-      )
-    )
+    leaf = new(LeafLayout)
+    leaf.__dict__.update(path=path, shape=shape, dtype=dtype, slots=tuple(placed_slots), spec=spec)
+    leaves.append(leaf)
     whole.append(leaf_whole)
   return Layout(tuple(leaves), offset, state_nbytes, on_cpu, tuple(whole))
-
-
-def _built(cls, **fields):
-  """A frozen dataclass of `cls` with every field given, built without its
-  generated __init__ (one object.__setattr__ per field): a third of the
-  cost, for the thousands of slots and leaves of a cold layout."""
-  obj = object.__new__(cls)
-  obj.__dict__.update(fields)
-  return obj
 
 
 class ReadPlan(NamedTuple):
@@ -392,18 +393,21 @@ def layout_for(paths: Sequence[str], leaves: Sequence[Any]) -> Layout:
       last = _LAST.get(tree)
     if last is not None and last[0] == seen:  # lists: equal objects by identity first
       return last[1]
-  key = []
-  for path, leaf in zip(paths, leaves):
-    sharding = getattr(leaf, "sharding", None)
-    if sharding is None or not hasattr(leaf, "shape"):
-      raise StateMismatchError(
-        f"leaf {path} is a {type(leaf).__name__}; every leaf of the train state"
-        " must be a jax.Array (and of abstract_state a jax.ShapeDtypeStruct"
-        " with a sharding). Wrap scalars with jnp.asarray and device_put them."
-      )
-    key.append((path, tuple(leaf.shape), _np_dtype(leaf.dtype), sharding))  # compared by value
+  if seen is None or any(sh is None for sh in seen[0]):
+    for path, leaf in zip(paths, leaves):
+      if getattr(leaf, "sharding", None) is None or not (
+        hasattr(leaf, "shape") and hasattr(leaf, "dtype")
+      ):
+        raise StateMismatchError(
+          f"leaf {path} is a {type(leaf).__name__}; every leaf of the train state"
+          " must be a jax.Array (and of abstract_state a jax.ShapeDtypeStruct"
+          " with a sharding). Wrap scalars with jnp.asarray and device_put them."
+        )
+  shardings, shapes, dtypes = seen
+  # compared by value (the lru_cache's key)
+  key = tuple(zip(paths, map(tuple, shapes), map(_np_dtype, dtypes), shardings))
   with gc_pause.paused(promote=True):  # a layout is kept: long-lived
-    out = _layout_cached(tuple(key))
+    out = _layout_cached(key)
   if tree is not None:
     with _LAST_LOCK:
       _LAST[tree] = (seen, out)
