@@ -188,3 +188,32 @@ def test_any_forged_manifest_ends_as_the_long_way_ends(saved, monkeypatch, data)
   assert _outcome(where, paths, abstract, True, monkeypatch) == _outcome(
     where, paths, abstract, False, monkeypatch
   )
+
+
+@pytest.mark.parametrize(
+  "leaf",
+  [
+    lambda a: np.zeros(a.shape, a.dtype),
+    lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+    lambda a: jax.ShapeDtypeStruct((*a.shape, 1), a.dtype, sharding=a.sharding),
+    lambda a: jax.ShapeDtypeStruct(a.shape, np.int8, sharding=a.sharding),
+  ],
+  ids=["numpy-array", "no-sharding", "other-shape", "other-dtype"],
+)
+def test_a_caller_leaf_that_does_not_fit_is_named_as_the_long_way_names_it(
+  saved, monkeypatch, leaf
+):
+  """The caller's side, too: a leaf that is no abstract array with a
+  sharding, or asks for another shape or dtype, gets the long way's error
+  (StateMismatchError naming the leaf), never an AttributeError."""
+  where, body, paths, _, _ = saved
+  _write(where, body)
+  _, abstract, _ = shards_lib.leaf_paths(
+    jax.tree_util.tree_map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), saved[4]
+    )
+  )
+  abstract = list(abstract)
+  abstract[1] = leaf(abstract[1])
+  one, long = (_outcome(where, paths, abstract, p, monkeypatch) for p in (True, False))
+  assert one == long == ("error", ec.StateMismatchError)

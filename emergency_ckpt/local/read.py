@@ -3,7 +3,16 @@
 Shared by the local tier's restore path (which must not wait for Orbax to
 load: a restart's time to restored state is on the job's critical path) and
 the Orbax handler (handler.LocalShardsHandler.restore, for plain Orbax
-users), and the XOR rebuild (verify_buffer). No Orbax here. Called by: any thread; blocks on one checksum pass.
+users), and the XOR rebuild (verify_buffer). No Orbax here.
+
+A read for a caller's tree checks the manifest's leaf records in the pass
+that reads them (_read_common: a state of thousands of leaves pays one loop
+of a few lookups per leaf); a record that is not the common case sends the
+read the long way (schema.check_manifest, the tree, the layout, then each
+shard), which names what is wrong. Both ways refuse the same records
+(tests/test_one_pass_read.py).
+
+Called by: any thread; blocks on one checksum pass.
 """
 
 from __future__ import annotations
@@ -138,12 +147,15 @@ def _read_common(
   out = []
   key = plan = itemsize = None
   for rec, path, leaf in zip(records, paths, abstract):
-    k = (leaf.sharding, leaf.shape, leaf.dtype)
-    if k != key:  # a state's leaves come in runs of one kind: few lookups
-      key, plan = k, shards_lib.read_plan(*k)
-      itemsize = local_schema.dtype_size(plan.dtype_name)
-      if itemsize is None:
-        return None
+    try:
+      k = (leaf.sharding, leaf.shape, leaf.dtype)
+      if k != key:  # a state's leaves come in runs of one kind: few lookups
+        key, plan = k, shards_lib.read_plan(*k)
+        itemsize = local_schema.dtype_size(plan.dtype_name)
+    except (AttributeError, TypeError):  # not an abstract array with a sharding
+      return None
+    if itemsize is None:
+      return None
     if (
       type(rec) is not dict
       or rec.get("path") != path
