@@ -47,6 +47,35 @@ def test_leaf_paths_match_the_uncached_answer_for_many_structures(mesh):
     assert shards_lib.leaf_paths(tree)[0] == [jax.tree_util.keystr(p) for p, _ in flat]
 
 
+def test_leaf_paths_are_jax_keystr_for_every_kind_of_node_cold_and_warm(mesh):
+  """Every key kind (dict keys of both types, sequence indices, named
+  tuple and dataclass attributes), as a restarted process (nothing cached)
+  and a warm one get them."""
+  import collections  # noqa: PLC0415
+  import dataclasses  # noqa: PLC0415
+
+  @dataclasses.dataclass
+  class Node:
+    a: object
+    b: object
+
+  jax.tree_util.register_dataclass(Node, data_fields=["a", "b"], meta_fields=[])
+  pair = collections.namedtuple("pair", "x y")
+  one = _put(mesh, jnp.ones(1))
+  tree = {
+    "a": [one, (one, {"k": one})],
+    "5": pair(one, one),
+    "c": Node(one, {"z": one, "y": [one]}),
+    "f": {1: one, 3: one},
+    "e": {},
+  }
+  flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+  want = [jax.tree_util.keystr(p) for p, _ in flat]
+  shards_lib._PATHS.clear()  # noqa: SLF001 - a restarted process
+  assert shards_lib.leaf_paths(tree)[0] == want
+  assert shards_lib.leaf_paths(tree)[0] == want  # warm
+
+
 def test_layout_follows_a_changed_shape_dtype_or_sharding(mesh):
   base = [_put(mesh, jnp.ones((4, 2), jnp.float32))]
   lay = shards_lib.layout_for(["w"], base)

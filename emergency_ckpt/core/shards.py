@@ -219,15 +219,17 @@ def leaf_paths(tree) -> tuple[list[str], list[Any], Any]:
 
 
 def _leaf_paths(tree) -> tuple[list[str], list[Any], Any]:
-  leaves, treedef = jax.tree_util.tree_flatten(tree)
-  try:
-    with _PATHS_LOCK:
-      paths = _PATHS.get(treedef)
-  except (TypeError, ValueError):  # a node's aux data that cannot be hashed or compared
-    paths = None
+  paths = leaves = None
+  if _PATHS:  # else (a restarted process) nothing to look up: one flatten, with paths
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    try:
+      with _PATHS_LOCK:
+        paths = _PATHS.get(treedef)
+    except (TypeError, ValueError):  # a node's aux data that cannot be hashed or compared
+      paths = None
   if paths is None or len(paths) != len(leaves):
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    paths = tuple(jax.tree_util.keystr(p) for p, _ in flat)
+    paths = tuple("".join(map(str, p)) for p, _ in flat)  # jax.tree_util.keystr(p)
     leaves = [x for _, x in flat]
     try:
       with _PATHS_LOCK:
