@@ -259,20 +259,13 @@ def _layout_cached(key) -> Layout:
     if plan is None:
       known = placed.get((sharding, shape))
       if known is None:
-        by_index: dict[Index, list[Any]] = {}
-        for device, idx in sharding.addressable_devices_indices_map(shape).items():
-          by_index.setdefault(normalize_index(idx, shape), []).append(device)
+        by_index = _devices_by_index(sharding, shape)
         known = placed[(sharding, shape)] = (by_index, _checked_spec(sharding, shape, by_index))
       by_index, spec = known
-      slots = tuple(
-        (
-          index,
-          math.prod(shard_shape(index)) * dtype.itemsize,
-          tuple(by_index[index]),
-          -(-math.prod(shard_shape(index)) * dtype.itemsize // ALIGN) * ALIGN,
-        )
-        for index in sorted(by_index)
-      )
+      slots = []
+      for index in sorted(by_index):
+        nbytes = math.prod(shard_shape(index)) * dtype.itemsize
+        slots.append((index, nbytes, tuple(by_index[index]), -(-nbytes // ALIGN) * ALIGN))
       plan = plans[last] = (
         slots,
         spec,
@@ -327,9 +320,7 @@ def read_plan(sharding, shape: tuple[int, ...], dtype) -> ReadPlan:
     The plan: the same slots, in the same order, as layout_for's.
   """
   np_dtype = _np_dtype(dtype)
-  indices = sorted(
-    {normalize_index(i, shape) for i in sharding.addressable_devices_indices_map(shape).values()}
-  )
+  indices = sorted(_devices_by_index(sharding, shape))
   slots = tuple(
     (
       index,
@@ -340,6 +331,14 @@ def read_plan(sharding, shape: tuple[int, ...], dtype) -> ReadPlan:
     for index in indices
   )
   return ReadPlan(np_dtype, dtype_name(dtype), list(shape), slots)
+
+
+def _devices_by_index(sharding, shape: tuple[int, ...]) -> dict[Index, list[Any]]:
+  """This process's devices of a leaf, by the shard index each holds."""
+  by_index: dict[Index, list[Any]] = {}
+  for device, idx in sharding.addressable_devices_indices_map(shape).items():
+    by_index.setdefault(normalize_index(idx, shape), []).append(device)
+  return by_index
 
 
 def _checked_spec(sharding, shape, by_index: dict[Index, list[Any]]) -> list | None:

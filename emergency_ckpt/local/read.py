@@ -109,9 +109,7 @@ def verify_buffer(
       index = tuple(tuple(r) for r in s["index"])
       data = buf[s["offset"] : s["offset"] + s["nbytes"]]
       if len(data) != s["nbytes"] or (check and not local_format.checksum_ok(data, s)):
-        raise CorruptCheckpointError(
-          f"{where}/{local_format.SHARDS}: leaf {leaf['path']} shard {index} fails its checksum"
-        )
+        raise _checksum_failed(where, leaf["path"], index)
       arrays[index] = data.view(dtype).reshape(shards_lib.shard_shape(index))
     out.append(arrays)
   return out
@@ -187,9 +185,7 @@ def _read_common(
       if s["nbytes"] != nbytes or "crc32c" not in s:
         return None
       if crc(raw[offset : offset + nbytes]) != s["crc32c"]:
-        raise CorruptCheckpointError(
-          f"{where}/{local_format.SHARDS}: leaf {path} shard {index} fails its checksum"
-        )
+        raise _checksum_failed(where, path, index)
       arrays[index] = np.ndarray(shard_shape, plan.dtype, buf, offset)
     out.append(arrays)
   return out
@@ -246,11 +242,16 @@ def _verified_shards(
       data = raw[offset : offset + nbytes]
       want = s.get("crc32c")
       if (crc(data) != want) if want is not None else not local_format.checksum_ok(data, s):
-        raise CorruptCheckpointError(
-          f"{where}/{local_format.SHARDS}: leaf {leaf.path} shard {slot.index} fails its checksum"
-        )
+        raise _checksum_failed(where, leaf.path, slot.index)
       # One array over the bytes (not a slice, a view and a reshape).
       shape = leaf.shape if is_whole else shards_lib.shard_shape(slot.index)
       arrays[slot.index] = np.ndarray(shape, leaf.dtype, buf, offset)
     out.append(arrays)
   return out
+
+
+def _checksum_failed(where: str, path: str, index) -> CorruptCheckpointError:
+  """The error of a shard whose bytes fail its recorded checksum."""
+  return CorruptCheckpointError(
+    f"{where}/{local_format.SHARDS}: leaf {path} shard {index} fails its checksum"
+  )
