@@ -37,8 +37,6 @@ from emergency_ckpt.local import format as local_format  # noqa: E402
 from emergency_ckpt.local import read as local_read  # noqa: E402
 from tests.test_decoders_fuzz import _mutate  # noqa: E402
 
-pytestmark = pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 CPU devices (XLA_FLAGS)")
-
 
 def _tree(mesh) -> dict:
   rep, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
