@@ -324,6 +324,28 @@ def test_forget_deletes_a_steps_hints(job):
   assert not cols[1].wait_signal("committed_3", timeout_s=0.2, stop=threading.Event(), poll_s=0.1)
 
 
+def test_a_count_read_at_its_target_waits_for_the_last_counters_flag(job):
+  """The last counter raises its "reached" flag just after its increment.
+  A primary that reads the counter at its target in between must not
+  return before the flag lands: its forget() would run first and the flag
+  would outlive the step (a leaked key per step, seen in a 32-process
+  job)."""
+  import threading  # noqa: PLC0415
+  import time  # noqa: PLC0415
+
+  from emergency_ckpt.cluster.signals import _reached  # noqa: PLC0415
+
+  cols, counted = job
+  _all(cols[:5], lambda c: c.count("written_5", 6))
+  cols[5].count("written_5")  # the increment; its flag comes 0.3 s later
+  late = threading.Thread(target=lambda: (time.sleep(0.3), cols[5].signal(_reached("written_5"))))
+  late.start()
+  assert cols[0].wait_count("written_5", 6, timeout_s=5, poll_s=2)
+  cols[0].forget(count="written_5")
+  late.join()
+  assert counted[0].key_value_dir_get("emergency_ckpt/t/") == []
+
+
 def test_a_new_client_starts_its_own_sequence():
   """Exchange keys are numbered per client. A client created after another
   was freed may get its id(); it must still start at 0, or its process

@@ -125,6 +125,10 @@ class Signals:
     while True:
       try:
         if self._client.key_value_increment(key, 0) >= target:
+          # The last counter raises "reached" just after its increment: let
+          # it land, so that the caller's forget() deletes it (else it
+          # outlives the step in the coordination service).
+          self.wait_signal(_reached(name), timeout_s=poll_s, stop=never, poll_s=poll_s)
           return True
       except Exception as e:  # noqa: BLE001 - the service is gone: storage decides
         logger.debug("%s count %r unreadable: %s", self._topology.log_prefix(), name, e)
